@@ -1,0 +1,299 @@
+"""Pydantic schema of the three files users edit.
+
+* ``gateway.yaml`` → :class:`GatewayConfig` (listen address, body limit, timeouts,
+  counter store, queue, cache, observability).
+* ``engines.yaml`` → :class:`EnginesConfig` (engines to launch or probe, per-model
+  degradation, scheduler plugins and weights, supervisor timings).
+* ``tenants.yaml`` → :class:`TenantsConfig` (API key hashes and quotas per tenant).
+
+Units are in the field names: ``_s`` seconds, ``_ms`` milliseconds, ``_bytes`` bytes;
+fractions are 0–1. Every model forbids unknown keys so a typo is an error, not a
+silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+Priority = Literal["interactive", "standard", "batch"]
+#: Priority bands, most urgent first; the index is the band number used by queues.
+PRIORITIES: tuple[Priority, ...] = ("interactive", "standard", "batch")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------- gateway
+
+
+class Timeouts(_Strict):
+    """Upstream timeouts in seconds.
+
+    ``total_s`` is ``None`` by default: a steadily streaming answer is never cut;
+    ``idle_s`` (gap between two chunks) and ``first_token_s`` catch a stuck engine.
+    """
+
+    connect_s: float = Field(5.0, gt=0)
+    first_token_s: float = Field(120.0, gt=0)
+    idle_s: float = Field(60.0, gt=0)
+    total_s: float | None = Field(None, gt=0)
+
+
+class LimitsConfig(_Strict):
+    """Where the rate-limit counters live.
+
+    ``store_url``: ``memory://`` (one process) or ``redis://host:port/db`` (shared by
+    every gateway replica). ``redis_failure``: ``open`` falls back to a local limiter
+    while Redis is unreachable, ``closed`` rejects with 503.
+    """
+
+    store_url: str = "memory://"
+    redis_failure: Literal["open", "closed"] = "open"
+    lease_ttl_s: float = Field(600.0, gt=0, description="concurrency lease expiry, s")
+    redis_timeout_s: float = Field(0.25, gt=0)
+
+    @field_validator("store_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not (v.startswith("memory://") or v.startswith(("redis://", "rediss://", "unix://"))):
+            raise ValueError(f"must start with memory:// or redis://, got {v!r}")
+        return v
+
+
+class QueueConfig(_Strict):
+    """Admission queue bounds, per model."""
+
+    max_requests: int = Field(256, ge=1)
+    max_tokens: int = Field(2_000_000, ge=1, description="estimated tokens queued, tokens")
+    default_max_wait_s: float = Field(30.0, gt=0)
+
+
+class SemanticCacheConfig(_Strict):
+    enabled: bool = True
+    threshold: float = Field(0.86, ge=0, le=1, description="cosine similarity 0-1")
+    max_entries_per_scope: int = Field(100_000, ge=1)
+    max_scopes: int = Field(10_000, ge=1)
+
+
+class CacheConfig(_Strict):
+    """Response cache. ``store_url``: ``memory://`` (LRU capped at ``max_bytes``) or
+    ``redis://…`` (shared by replicas, entries expire after the tenant's TTL)."""
+
+    enabled: bool = True
+    store_url: str = "memory://"
+    max_bytes: int = Field(256 * 1024 * 1024, ge=1)
+    default_ttl_s: float = Field(3600.0, gt=0)
+    semantic: SemanticCacheConfig = SemanticCacheConfig()
+
+
+class ObservabilityConfig(_Strict):
+    metrics: bool = True
+    metrics_listen: str | None = Field(None, description="host:port for a separate /metrics")
+    access_log: bool = True
+    tracing: bool = True
+    otlp_endpoint: str | None = None
+    trace_prompts: bool = False
+
+
+class GatewayConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    timeouts: Timeouts = Timeouts()
+    limits: LimitsConfig = LimitsConfig()
+    queue: QueueConfig = QueueConfig()
+    cache: CacheConfig = CacheConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
+    admin_key_hashes: list[str] = Field(default_factory=list)
+    retry_attempts: int = Field(2, ge=1, description="engines tried before the first byte")
+    drain_grace_s: float = Field(30.0, ge=0)
+
+    @field_validator("admin_key_hashes")
+    @classmethod
+    def _hashes(cls, v: list[str]) -> list[str]:
+        return _check_hashes(v)
+
+
+# --------------------------------------------------------------------------- tenants
+
+
+def _check_hashes(v: list[str]) -> list[str]:
+    for h in v:
+        if not SHA256_HEX.match(h):
+            raise ValueError(f"{h!r} is not a lowercase hex SHA-256 digest (64 chars)")
+    return v
+
+
+class TenantCache(_Strict):
+    enabled: bool = True
+    ttl_s: float | None = Field(None, gt=0, description="None: gateway default")
+    cache_sampled: bool = Field(False, description="also cache temperature>0 answers")
+    semantic_threshold: float | None = Field(None, ge=0, le=1)
+
+
+class TenantQuota(_Strict):
+    """One tenant's identity and quota. ``None`` means unlimited."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    api_key_hashes: list[str] = Field(default_factory=list)
+    priority: Priority = "standard"
+    weight: float = Field(1.0, gt=0)
+    requests_per_min: int | None = Field(None, ge=1)
+    tokens_per_min: int | None = Field(None, ge=1)
+    max_concurrent: int | None = Field(None, ge=1)
+    max_queue_wait_s: float | None = Field(None, gt=0)
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1)
+    allowed_models: list[str] | None = None
+    cache_namespace: str | None = None
+    cache: TenantCache = TenantCache()
+
+    @field_validator("api_key_hashes")
+    @classmethod
+    def _hashes(cls, v: list[str]) -> list[str]:
+        return _check_hashes(v)
+
+    @property
+    def namespace(self) -> str:
+        """Cache and prefix-cache namespace: shared only when configured."""
+        return self.cache_namespace or f"tenant:{self.name}"
+
+
+class TenantsConfig(_Strict):
+    """``defaults`` are merged under every tenant (and the anonymous one) by the
+    loader. ``anonymous`` allows requests without a key, from loopback clients only."""
+
+    allow_anonymous: bool = False
+    defaults: dict[str, Any] = Field(default_factory=dict)
+    tenants: list[TenantQuota] = Field(default_factory=list)
+    anonymous: TenantQuota = TenantQuota(name="anonymous")
+
+    @model_validator(mode="after")
+    def _unique(self) -> "TenantsConfig":
+        names = [t.name for t in self.tenants]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate tenant names: {sorted(dup)}")
+        hashes = [h for t in self.tenants for h in t.api_key_hashes]
+        if len(hashes) != len(set(hashes)):
+            raise ValueError("an API key hash is listed under more than one tenant")
+        return self
+
+
+# --------------------------------------------------------------------------- engines
+
+
+class EngineSpec(_Strict):
+    """One engine entry; ``replicas`` > 1 expands to that many processes.
+
+    ``kind``: ``vllm`` (the gateway launches ``vllm serve``), ``sim`` (the gateway
+    launches ``python -m loadtest.sim_engine``), ``external`` (only probed and routed
+    to at ``url``). ``port`` or ``port_range`` [first, last] for launched kinds; with
+    neither, free ports are chosen.
+    """
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    model: str = Field(..., description="served model name clients ask for")
+    kind: Literal["vllm", "sim", "external"] = "vllm"
+    model_path: str | None = Field(None, description="path or 'packaged:gemma3-270m'")
+    url: str | None = None
+    host: str = "127.0.0.1"
+    port: int | None = Field(None, ge=1, le=65535)
+    port_range: tuple[int, int] | None = None
+    replicas: int = Field(1, ge=1)
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _kind(self) -> "EngineSpec":
+        if self.kind == "external" and not self.url:
+            raise ValueError("kind external needs url")
+        if self.kind == "vllm" and not self.model_path:
+            raise ValueError("kind vllm needs model_path")
+        if self.port is not None and self.replicas > 1:
+            raise ValueError("port fixes one process; use port_range with replicas > 1")
+        return self
+
+
+class DegradationConfig(_Strict):
+    """Degradation ladder applied to sheddable priorities while saturated:
+    cap output tokens, then route to ``fallback_model``, then shed."""
+
+    max_tokens_cap: int | None = Field(None, ge=1)
+    fallback_model: str | None = None
+    sheddable: list[Priority] = Field(default_factory=lambda: ["standard", "batch"])
+
+
+class ModelConfig(_Strict):
+    name: str
+    degradation: DegradationConfig = DegradationConfig()
+
+
+class PluginConfig(_Strict):
+    """A scheduler plugin chosen by its kebab-case ``type``; ``weight`` applies to
+    scorers; ``params`` go to the plugin's constructor."""
+
+    type: str
+    weight: float = Field(1.0, ge=0)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class SchedulerConfig(_Strict):
+    filters: list[PluginConfig] = Field(default_factory=list)
+    scorers: list[PluginConfig] = Field(
+        default_factory=lambda: [PluginConfig(type="least-in-flight")]
+    )
+    picker: PluginConfig = PluginConfig(type="max-score")
+
+
+class SupervisorConfig(_Strict):
+    startup_grace_s: float = Field(600.0, gt=0)
+    probe_interval_s: float = Field(2.0, gt=0)
+    probe_timeout_s: float = Field(5.0, gt=0)
+    failure_threshold: int = Field(3, ge=1)
+    inference_probe_idle_s: float = Field(30.0, gt=0)
+    metrics_interval_s: float = Field(1.0, gt=0)
+    metrics_stale_s: float = Field(5.0, gt=0)
+    restart_backoff_s: float = Field(1.0, gt=0)
+    restart_backoff_max_s: float = Field(60.0, gt=0)
+    max_restarts: int = Field(10, ge=0)
+    stop_grace_s: float = Field(10.0, ge=0)
+
+
+class EnginesConfig(_Strict):
+    engines: list[EngineSpec] = Field(default_factory=list)
+    models: list[ModelConfig] = Field(default_factory=list)
+    scheduler: SchedulerConfig = SchedulerConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
+
+    @model_validator(mode="after")
+    def _unique(self) -> "EnginesConfig":
+        names = [e.name for e in self.engines]
+        if len(names) != len(set(names)):
+            raise ValueError("engine names must be unique")
+        return self
+
+    def model_names(self) -> list[str]:
+        """Served model names, in configuration order, without duplicates."""
+        return list(dict.fromkeys(e.model for e in self.engines))
+
+    def model_config(self, name: str) -> ModelConfig:
+        for m in self.models:
+            if m.name == name:
+                return m
+        return ModelConfig(name=name)
+
+
+class Config(_Strict):
+    """The whole configuration; ``paths`` records which files it came from."""
+
+    gateway: GatewayConfig = GatewayConfig()
+    engines: EnginesConfig = EnginesConfig()
+    tenants: TenantsConfig = TenantsConfig()
+    paths: dict[str, str] = Field(default_factory=dict)

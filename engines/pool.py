@@ -1,0 +1,137 @@
+"""The fleet as the gateway sees it: one :class:`Engine` per running (or external)
+engine process, its state, in-flight count and latest metrics snapshot.
+
+The supervisor writes states, the metrics pollers write snapshots, the gateway takes
+leases. Every change calls :meth:`EnginePool.notify` so waiters (the admission queue)
+can retry placement without polling.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+class EngineState(enum.Enum):
+    """Life cycle: starting → ready ⇄ unhealthy → restarting → starting …;
+    draining → stopped on shutdown. Only ``ready`` engines receive traffic."""
+
+    STARTING = "starting"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"
+    RESTARTING = "restarting"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """One scrape of an engine's Prometheus ``/metrics`` (vLLM names).
+
+    Attributes:
+        at: clock time of the scrape, s (the pool's clock, monotonic).
+        kv_cache_usage: ``vllm:kv_cache_usage_perc`` (or the older
+            ``vllm:gpu_cache_usage_perc``), fraction 0–1; None if absent.
+        num_running: ``vllm:num_requests_running``, requests.
+        num_waiting: ``vllm:num_requests_waiting``, requests.
+        prefix_cache_queries: ``vllm:prefix_cache_queries[_total]``, tokens (counter).
+        prefix_cache_hits: ``vllm:prefix_cache_hits[_total]``, tokens (counter).
+        block_size: tokens per KV block, from ``vllm:cache_config_info``.
+        num_blocks: KV blocks (``num_gpu_blocks`` label of ``vllm:cache_config_info``).
+    """
+
+    at: float
+    kv_cache_usage: float | None = None
+    num_running: int = 0
+    num_waiting: int = 0
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
+    block_size: int | None = None
+    num_blocks: int | None = None
+
+
+@dataclass(eq=False)
+class Engine:
+    """Runtime view of one engine.
+
+    Attributes:
+        id: unique name (``<spec name>`` or ``<spec name>-<replica>``).
+        model: served model name.
+        base_url: ``http://host:port`` (no trailing slash, no ``/v1``).
+        state: current :class:`EngineState`.
+        in_flight: requests this gateway process has sent and not finished.
+        metrics: latest snapshot or None before the first scrape.
+        generation: bumped on every (re)start; caches keyed on the engine's content
+            (prefix index) drop entries from older generations.
+        promised_blocks: KV blocks reserved by in-flight requests (limits' KV budget).
+        restarts: restarts so far.
+    """
+
+    id: str
+    model: str
+    base_url: str
+    state: EngineState = EngineState.STARTING
+    in_flight: int = 0
+    metrics: MetricsSnapshot | None = None
+    generation: int = 0
+    promised_blocks: int = 0
+    restarts: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def routable(self) -> bool:
+        return self.state is EngineState.READY
+
+
+class EnginePool:
+    """All engines, in configuration order.
+
+    ``listeners`` are plain callables run synchronously on every :meth:`notify`; they
+    must not block (typically they set an ``asyncio.Event``).
+    """
+
+    def __init__(self, engines: list[Engine] | None = None) -> None:
+        self.engines: list[Engine] = list(engines or [])
+        self.listeners: list[Callable[[], None]] = []
+
+    def add(self, engine: Engine) -> None:
+        self.engines.append(engine)
+        self.notify()
+
+    def get(self, engine_id: str) -> Engine | None:
+        return next((e for e in self.engines if e.id == engine_id), None)
+
+    def for_model(self, model: str) -> list[Engine]:
+        return [e for e in self.engines if e.model == model]
+
+    def ready_models(self) -> list[str]:
+        """Models with at least one ready engine, in configuration order."""
+        return list(dict.fromkeys(e.model for e in self.engines if e.routable))
+
+    def set_state(self, engine: Engine, state: EngineState) -> None:
+        if engine.state is not state:
+            engine.state = state
+            self.notify()
+
+    def set_metrics(self, engine: Engine, snapshot: MetricsSnapshot) -> None:
+        engine.metrics = snapshot
+        self.notify()
+
+    @contextmanager
+    def lease(self, engine: Engine, blocks: int = 0) -> Iterator[Engine]:
+        """Count one in-flight request (and ``blocks`` promised KV blocks) on
+        ``engine`` for the duration of the ``with`` block; released exactly once."""
+        engine.in_flight += 1
+        engine.promised_blocks += blocks
+        try:
+            yield engine
+        finally:
+            engine.in_flight -= 1
+            engine.promised_blocks -= blocks
+            self.notify()
+
+    def notify(self) -> None:
+        for fn in self.listeners:
+            fn()

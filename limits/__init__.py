@@ -1,0 +1,1 @@
+"""Admission control: who may run now."""
