@@ -1,0 +1,29 @@
+"""``python -m loadtest SUBCOMMAND …``: each subcommand is the module
+``loadtest.<name>`` exposing ``main(argv: list[str]) -> int``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "replay": "loadtest.replay",
+    "realprompts": "loadtest.realprompts",
+    "overhead": "loadtest.overhead",
+    "overload": "loadtest.overload",
+    "semcache": "loadtest.semcache",
+    "validate-sim": "loadtest.validate_sim",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        print(f"usage: python -m loadtest {{{','.join(SUBCOMMANDS)}}} [options]", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[argv[0]])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
