@@ -283,7 +283,7 @@ class EnginesConfig(_Strict):
         """Served model names, in configuration order, without duplicates."""
         return list(dict.fromkeys(e.model for e in self.engines))
 
-    def model_config(self, name: str) -> ModelConfig:
+    def model_settings(self, name: str) -> ModelConfig:
         for m in self.models:
             if m.name == name:
                 return m
