@@ -37,12 +37,14 @@ class Timeouts(_Strict):
 
     ``total_s`` is ``None`` by default: a steadily streaming answer is never cut;
     ``idle_s`` (gap between two chunks) and ``first_token_s`` catch a stuck engine.
+    A non-streaming answer arrives in one piece, so it is bounded by ``non_stream_s``.
     """
 
     connect_s: float = Field(5.0, gt=0)
     first_token_s: float = Field(120.0, gt=0)
     idle_s: float = Field(60.0, gt=0)
     total_s: float | None = Field(None, gt=0)
+    non_stream_s: float = Field(600.0, gt=0)
 
 
 class LimitsConfig(_Strict):
@@ -61,7 +63,7 @@ class LimitsConfig(_Strict):
     @field_validator("store_url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not (v.startswith("memory://") or v.startswith(("redis://", "rediss://", "unix://"))):
+        if not v.startswith(("memory://", "redis://", "rediss://", "unix://")):
             raise ValueError(f"must start with memory:// or redis://, got {v!r}")
         return v
 
@@ -175,7 +177,7 @@ class TenantsConfig(_Strict):
     anonymous: TenantQuota = TenantQuota(name="anonymous")
 
     @model_validator(mode="after")
-    def _unique(self) -> "TenantsConfig":
+    def _unique(self) -> TenantsConfig:
         names = [t.name for t in self.tenants]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -211,7 +213,7 @@ class EngineSpec(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _kind(self) -> "EngineSpec":
+    def _kind(self) -> EngineSpec:
         if self.kind == "external" and not self.url:
             raise ValueError("kind external needs url")
         if self.kind == "vllm" and not self.model_path:
@@ -273,7 +275,7 @@ class EnginesConfig(_Strict):
     supervisor: SupervisorConfig = SupervisorConfig()
 
     @model_validator(mode="after")
-    def _unique(self) -> "EnginesConfig":
+    def _unique(self) -> EnginesConfig:
         names = [e.name for e in self.engines]
         if len(names) != len(set(names)):
             raise ValueError("engine names must be unique")

@@ -1,0 +1,102 @@
+"""The aiohttp application: ``create_app(cfg)`` and the HTTP routes.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
+(models with at least one ready engine that the tenant may use), ``GET /health``
+(liveness: the process answers), ``GET /ready`` (every configured model has a ready
+engine; 503 otherwise).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from engines.supervisor import Supervisor
+
+from config.schema import Config
+from engines.pool import EnginePool
+from engines.scheduler import Scheduler
+from gateway.auth import TenantDirectory
+from gateway.director import Director
+from gateway.keys import CONFIG, POOL, SESSION, TENANT, TENANTS
+from gateway.middlewares import auth_middleware, errors_middleware
+from gateway.proxy import EngineClient
+
+DIRECTOR = web.AppKey("director", Director)
+SUPERVISOR = web.AppKey("supervisor", Supervisor)
+STARTED = int(time.time())
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[DIRECTOR].handle(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[DIRECTOR].handle(request, "completions")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    allowed = request[TENANT].allowed_models
+    models = [m for m in request.app[POOL].ready_models() if allowed is None or m in allowed]
+    return web.json_response({
+        "object": "list",
+        "data": [{"id": m, "object": "model", "created": STARTED, "owned_by": "sluice"}
+                 for m in models],
+    })
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    pool = request.app[POOL]
+    wanted = request.app[CONFIG].engines.model_names()
+    have = set(pool.ready_models())
+    missing = [m for m in wanted if m not in have]
+    body = {
+        "ready": not missing,
+        "missing_models": missing,
+        "engines": {e.id: e.state.value for e in pool.engines},
+    }
+    return web.json_response(body, status=503 if missing else 200)
+
+
+def create_app(cfg: Config, *, model_cache_dir: Path | None = None) -> web.Application:
+    """Build the gateway app for ``cfg``. Engines are launched (or probed, for
+    ``external`` ones) when the app starts and drained when it stops."""
+    app = web.Application(
+        middlewares=[errors_middleware, auth_middleware],
+        client_max_size=cfg.gateway.max_body_bytes,
+    )
+    app[CONFIG] = cfg
+    app[TENANTS] = TenantDirectory(cfg.tenants)
+    app[POOL] = EnginePool()
+
+    async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            auto_decompress=False,
+        )
+        app[SESSION] = session
+        supervisor = Supervisor(cfg.engines, app[POOL], session, model_cache_dir=model_cache_dir)
+        app[SUPERVISOR] = supervisor
+        app[DIRECTOR] = Director(cfg, app[POOL], Scheduler(cfg.engines.scheduler),
+                                 EngineClient(session, cfg.gateway.timeouts))
+        await supervisor.start()
+        try:
+            yield
+        finally:
+            await supervisor.stop(cfg.gateway.drain_grace_s)
+            await session.close()
+
+    app.cleanup_ctx.append(engines_ctx)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    return app

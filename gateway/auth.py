@@ -1,0 +1,84 @@
+"""API key → tenant.
+
+Keys are configured as SHA-256 hex digests (``printf %s KEY | sha256sum``). A
+presented key is hashed and compared with :func:`hmac.compare_digest` against every
+configured digest, so the time taken does not depend on which digest matched or how
+many leading characters agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+
+from aiohttp import web
+
+from config.schema import TenantQuota, TenantsConfig
+from limits.outcome import Outcome, Rejected
+
+
+def hash_key(key: str) -> str:
+    """SHA-256 hex digest of an API key (UTF-8)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def presented_key(request: web.Request) -> str | None:
+    """The key from ``Authorization: Bearer KEY`` or ``x-api-key: KEY``; None if
+    neither header is present."""
+    auth = request.headers.get("Authorization")
+    if auth:
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+        return auth.strip()  # present but malformed: still a key that must match
+    key = request.headers.get("x-api-key")
+    return key.strip() if key is not None else None
+
+
+def is_loopback(remote: str | None) -> bool:
+    if not remote:
+        return False
+    try:
+        return ipaddress.ip_address(remote).is_loopback
+    except ValueError:
+        return False
+
+
+class TenantDirectory:
+    """Resolves a request's key to its :class:`TenantQuota`.
+
+    Rules: a presented key that matches no tenant → 401 always; no key → the
+    anonymous tenant if ``allow_anonymous`` and the client is on loopback, else 401.
+    """
+
+    def __init__(self, cfg: TenantsConfig) -> None:
+        self.cfg = cfg
+        self._digests: list[tuple[bytes, TenantQuota]] = [
+            (h.encode(), t) for t in cfg.tenants for h in t.api_key_hashes
+        ]
+
+    def by_name(self, name: str) -> TenantQuota | None:
+        if name == self.cfg.anonymous.name:
+            return self.cfg.anonymous
+        return next((t for t in self.cfg.tenants if t.name == name), None)
+
+    def resolve(self, key: str | None, remote: str | None) -> TenantQuota:
+        """Raises:
+            Rejected: ``Outcome.UNAUTHORIZED`` (401) as described above.
+        """
+        if key is None:
+            if self.cfg.allow_anonymous and is_loopback(remote):
+                return self.cfg.anonymous
+            raise Rejected(
+                Outcome.UNAUTHORIZED,
+                "Missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
+            )
+        digest = hash_key(key).encode()
+        found: TenantQuota | None = None
+        for candidate, tenant in self._digests:  # no early exit: constant time
+            if hmac.compare_digest(candidate, digest):
+                found = tenant
+        if found is None:
+            raise Rejected(Outcome.UNAUTHORIZED, "Incorrect API key provided.")
+        return found

@@ -1,0 +1,144 @@
+"""The ``sluice`` command.
+
+* ``sluice serve [--config-dir DIR | --gateway F --engines F --tenants F] [--host H]
+  [--port P]``: launch the engines and serve the OpenAI API until SIGINT/SIGTERM,
+  then stop accepting, drain in-flight requests and stop the engines.
+* ``sluice check-config FILE…``: validate files (kind from the name: ``gateway*``,
+  ``engines*``, ``tenants*``, or ``--kind``); exit 1 with the errors.
+* ``sluice prepare-model [--cache-dir DIR]``: build the packaged model folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from config.loader import FILES, ConfigError, load_config, load_file
+from config.schema import Config
+
+log = logging.getLogger("sluice")
+
+
+def _banner(cfg: Config, host: str, port: int) -> str:
+    url = f"http://{host}:{port}"
+    model = next(iter(cfg.engines.model_names()), "MODEL")
+    key = "" if cfg.tenants.allow_anonymous else ' -H "Authorization: Bearer $SLUICE_KEY"'
+    return f"""
+Sluice is serving the OpenAI API at {url}/v1  (models: {', '.join(cfg.engines.model_names())})
+
+  curl {url}/v1/chat/completions{key} -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}'
+
+  from openai import OpenAI
+  client = OpenAI(base_url="{url}/v1", api_key="{'unused' if not key else 'YOUR_KEY'}")
+  print(client.chat.completions.create(model="{model}",
+        messages=[{{"role": "user", "content": "Hello"}}], max_tokens=32).choices[0].message.content)
+
+Stop with Ctrl-C (drains requests and stops the engines).
+"""
+
+
+async def _serve(cfg: Config, host: str, port: int) -> None:
+    from gateway.app import SUPERVISOR, create_app
+
+    app = create_app(cfg)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=cfg.gateway.drain_grace_s)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        print(f"Sluice listening on http://{host}:{port}; starting engines…", flush=True)
+        ready = asyncio.create_task(app[SUPERVISOR].wait_ready(cfg.engines.supervisor.startup_grace_s))
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait({ready, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and ready.result():
+            print(_banner(cfg, host, port), flush=True)
+        elif ready.done():
+            print("Engines did not become ready; see the engine logs. Still serving.", flush=True)
+        await waiter
+        ready.cancel()
+        print("Stopping: draining requests and engines…", flush=True)
+    finally:
+        await runner.cleanup()
+
+
+def _load(args: argparse.Namespace) -> Config:
+    return load_config(args.gateway, args.engines, args.tenants, directory=args.config_dir)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        cfg = _load(args)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 1
+    host = args.host or cfg.gateway.host
+    port = args.port if args.port is not None else cfg.gateway.port
+    try:
+        import uvloop
+
+        uvloop.run(_serve(cfg, host, port))
+    except ImportError:
+        asyncio.run(_serve(cfg, host, port))
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    failed = False
+    for name in args.files:
+        path = Path(name)
+        kind = args.kind or next((k for k in FILES if path.name.startswith(k)), None)
+        if kind is None:
+            print(f"{path}: cannot tell the kind from the name; use --kind", file=sys.stderr)
+            failed = True
+            continue
+        try:
+            load_file(kind, path)
+            print(f"{path}: ok ({kind})")
+        except ConfigError as e:
+            print(e, file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
+
+
+def cmd_prepare_model(args: argparse.Namespace) -> int:
+    from engines.prepare import main as prepare_main
+
+    return prepare_main(["--cache-dir", args.cache_dir] if args.cache_dir else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="sluice", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="launch engines and serve the OpenAI API")
+    serve.add_argument("--config-dir", help="folder with gateway.yaml, engines.yaml, tenants.yaml")
+    for kind in FILES:
+        serve.add_argument(f"--{kind}", help=f"path of {kind}.yaml")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.set_defaults(func=cmd_serve)
+    check = sub.add_parser("check-config", help="validate configuration files")
+    check.add_argument("files", nargs="+")
+    check.add_argument("--kind", choices=list(FILES))
+    check.set_defaults(func=cmd_check_config)
+    prep = sub.add_parser("prepare-model", help="prepare the packaged Gemma 3 270M for vLLM")
+    prep.add_argument("--cache-dir")
+    prep.set_defaults(func=cmd_prepare_model)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The upstream call: one request to one engine over the shared ``ClientSession``.
+
+Streaming answers are passed through as bytes: each network read is cut at SSE
+event boundaries (never inside a UTF-8 character) and written to the client at
+once, without decoding or re-encoding. The gateway always asks the engine for usage
+(``stream_options.include_usage``) and drops the usage-only chunk when the client
+did not ask for it.
+
+Timeouts (``config.schema.Timeouts``): connect; first token (the first event of a
+stream, or the whole answer when not streaming, bounded by ``non_stream_s``); idle
+(the gap between two reads of a stream); and an optional total.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from config.schema import Timeouts
+from engines.pool import Engine
+from gateway.errors import sse_error_event
+from gateway.openai_api import PATHS, InferenceRequest
+from gateway.sse import EventFramer, StreamSummary
+from limits.outcome import Outcome, Rejected
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+class UpstreamFailed(Exception):
+    """The engine could not answer before any byte reached the client, so another
+    engine may be tried (``retryable``) or the error is final."""
+
+    def __init__(self, outcome: Outcome, message: str, *, retryable: bool) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+        self.message = message
+        self.retryable = retryable
+
+
+@dataclass
+class ProxyResult:
+    """How an upstream call ended.
+
+    Attributes:
+        outcome: ``OK``, ``CLIENT_DISCONNECTED``, ``UPSTREAM_ERROR`` or
+            ``UPSTREAM_TIMEOUT`` (the last two only after bytes reached the client).
+        response: the HTTP response for the handler to return (already sent for
+            streams).
+        prompt_tokens / completion_tokens: from the engine's usage; for a stream cut
+            short, the estimate and the content chunks streamed so far.
+        ttft_s: seconds from sending to the first generated output, or None.
+        answer: the complete answer as a non-streaming body (for the cache), or None
+            if it did not finish normally.
+    """
+
+    outcome: Outcome
+    response: web.StreamResponse
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float | None
+    answer: dict[str, Any] | None
+    finish_reasons: list[str]
+
+
+def _usage(usage: Mapping[str, Any] | None, prompt_est: int, streamed: int) -> tuple[int, int]:
+    if usage:
+        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    return prompt_est, streamed
+
+
+def _upstream_rejection(status: int, raw: bytes) -> Rejected:
+    """Map an engine's 4xx answer to our error (the engine's message, our codes)."""
+    try:
+        err = json.loads(raw).get("error") or {}
+        message = err.get("message") if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        message = None
+    message = message or f"The engine rejected the request (HTTP {status})."
+    lowered = message.lower()
+    if "context length" in lowered or "maximum context" in lowered or "too long" in lowered:
+        return Rejected(Outcome.CONTEXT_LENGTH_EXCEEDED, message, param="messages")
+    if status == 413:
+        return Rejected(Outcome.BODY_TOO_LARGE, message)
+    return Rejected(Outcome.INVALID_REQUEST, message)
+
+
+class EngineClient:
+    """Sends :class:`InferenceRequest` s to engines and relays the answers."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeouts: Timeouts) -> None:
+        self.session = session
+        self.timeouts = timeouts
+        self._client_timeout = aiohttp.ClientTimeout(
+            total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s
+        )
+
+    def _upstream_body(self, req: InferenceRequest) -> bytes:
+        body = req.body
+        if req.stream:
+            opts = dict(body.get("stream_options") or {})
+            opts["include_usage"] = True
+            body = {**body, "stream_options": opts}
+        return json.dumps(body, ensure_ascii=False).encode()
+
+    async def _open(self, engine: Engine, req: InferenceRequest,
+                    headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+        try:
+            resp = await self.session.post(
+                engine.base_url + PATHS[req.endpoint],
+                data=self._upstream_body(req),
+                headers={"Content-Type": "application/json", **headers},
+                timeout=self._client_timeout,
+            )
+        except (aiohttp.ClientConnectionError, OSError) as e:
+            raise UpstreamFailed(Outcome.NO_ENGINE, f"engine {engine.id} unreachable: {e}",
+                                 retryable=True) from None
+        if resp.status >= 400:
+            try:
+                raw = await resp.read()
+            except aiohttp.ClientError:
+                raw = b""
+            resp.release()
+            if resp.status >= 500:
+                raise UpstreamFailed(Outcome.UPSTREAM_ERROR,
+                                     f"engine {engine.id} answered HTTP {resp.status}",
+                                     retryable=True)
+            raise _upstream_rejection(resp.status, raw)
+        return resp
+
+    async def send(self, engine: Engine, req: InferenceRequest, request: web.Request,
+                   response_headers: Mapping[str, str],
+                   upstream_headers: Mapping[str, str] = {}) -> ProxyResult:
+        """Send ``req`` to ``engine`` and relay the answer to ``request``'s client.
+
+        Raises:
+            UpstreamFailed: nothing was sent to the client yet (retry is safe).
+            Rejected: the engine rejected the request (4xx), mapped to our codes.
+            asyncio.CancelledError: the client went away; the upstream request is
+                closed first, which makes vLLM abort it.
+        """
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.timeouts.first_token_s if req.stream
+                                       else self.timeouts.non_stream_s):
+                resp = await self._open(engine, req, upstream_headers)
+                if not req.stream:
+                    raw = await resp.read()
+        except TimeoutError:
+            raise UpstreamFailed(Outcome.UPSTREAM_TIMEOUT,
+                                 f"engine {engine.id} did not answer in time",
+                                 retryable=False) from None
+        except aiohttp.ClientError as e:
+            raise UpstreamFailed(Outcome.UPSTREAM_ERROR, f"engine {engine.id} failed: {e}",
+                                 retryable=True) from None
+        if not req.stream:
+            return self._finish_json(req, raw, start, response_headers)
+        try:
+            return await self._relay_stream(engine, req, resp, request, start, response_headers)
+        finally:
+            resp.close()
+
+    def _finish_json(self, req: InferenceRequest, raw: bytes, start: float,
+                     headers: Mapping[str, str]) -> ProxyResult:
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            raise UpstreamFailed(Outcome.UPSTREAM_ERROR, "engine sent invalid JSON",
+                                 retryable=True) from None
+        prompt, completion = _usage(answer.get("usage"), req.prompt_tokens, 0)
+        reasons = [c.get("finish_reason") for c in answer.get("choices") or ()]
+        return ProxyResult(
+            outcome=Outcome.OK,
+            response=web.Response(body=raw, content_type="application/json", headers=headers),
+            prompt_tokens=prompt, completion_tokens=completion,
+            ttft_s=time.perf_counter() - start, answer=answer,
+            finish_reasons=[r for r in reasons if r],
+        )
+
+    async def _relay_stream(self, engine: Engine, req: InferenceRequest,
+                            resp: aiohttp.ClientResponse, request: web.Request, start: float,
+                            headers: Mapping[str, str]) -> ProxyResult:
+        t = self.timeouts
+        loop = asyncio.get_running_loop()
+        end_at = loop.time() + t.total_s if t.total_s else float("inf")
+        framer = EventFramer()
+        summary = StreamSummary(chat=req.endpoint == "chat")
+        ttft: float | None = None
+        out = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+        outcome = Outcome.OK
+        prepared = False
+        try:
+            async with asyncio.timeout(None) as deadline:
+                first_wait = t.first_token_s
+                while True:
+                    deadline.reschedule(min(loop.time() + (first_wait or t.idle_s), end_at))
+                    chunk = await resp.content.readany()
+                    if not chunk:
+                        break
+                    events = framer.feed(chunk)
+                    if not events:
+                        continue
+                    keep = []
+                    for ev in events:
+                        obj = summary.observe(ev)
+                        if obj is not None and not req.client_usage and obj.get("usage") \
+                                and not obj.get("choices"):
+                            continue  # the usage-only chunk the client did not ask for
+                        keep.append(ev)
+                    if ttft is None and (summary.content_chunks or summary.finish_reasons):
+                        ttft = time.perf_counter() - start
+                        first_wait = None
+                    if not prepared:
+                        await out.prepare(request)
+                        prepared = True
+                    if keep:
+                        await out.write(keep[0] if len(keep) == 1 else b"".join(keep))
+                    if summary.done:
+                        break
+        except TimeoutError:
+            outcome = Outcome.UPSTREAM_TIMEOUT
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+            if isinstance(e, ConnectionResetError) or (
+                    request.transport is None or request.transport.is_closing()):
+                outcome = Outcome.CLIENT_DISCONNECTED
+            else:
+                outcome = Outcome.UPSTREAM_ERROR
+        except ConnectionResetError:
+            outcome = Outcome.CLIENT_DISCONNECTED
+        if outcome is Outcome.OK and not summary.done:
+            outcome = Outcome.UPSTREAM_ERROR  # the engine closed the stream early
+        if outcome is Outcome.OK and summary.error:
+            outcome = Outcome.UPSTREAM_ERROR
+        if not prepared and outcome in (Outcome.UPSTREAM_ERROR, Outcome.UPSTREAM_TIMEOUT):
+            raise UpstreamFailed(outcome, f"engine {engine.id} failed before the first token",
+                                 retryable=outcome is Outcome.UPSTREAM_ERROR)
+        if outcome in (Outcome.UPSTREAM_ERROR, Outcome.UPSTREAM_TIMEOUT) and not summary.error:
+            message = ("The engine stopped responding mid-stream." if outcome is
+                       Outcome.UPSTREAM_TIMEOUT else "The engine failed mid-stream.")
+            try:
+                await out.write(sse_error_event(outcome, message))
+            except ConnectionResetError:
+                outcome = Outcome.CLIENT_DISCONNECTED
+        if prepared and outcome is not Outcome.CLIENT_DISCONNECTED:
+            try:
+                await out.write_eof()
+            except ConnectionResetError:
+                outcome = Outcome.CLIENT_DISCONNECTED
+        prompt, completion = _usage(summary.usage, req.prompt_tokens, summary.content_chunks)
+        return ProxyResult(
+            outcome=outcome, response=out, prompt_tokens=prompt, completion_tokens=completion,
+            ttft_s=ttft, answer=summary.to_response() if outcome is Outcome.OK else None,
+            finish_reasons=list(summary.finish_reasons.values()),
+        )
+

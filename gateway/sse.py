@@ -1,0 +1,127 @@
+"""Server-sent events as the OpenAI API uses them: ``data: {json}\\n\\n`` … ``data:
+[DONE]\\n\\n``.
+
+:class:`EventFramer` cuts a byte stream into whole events without decoding it (a
+multi-byte UTF-8 character split between two network reads stays intact, because
+the separator ``\\n\\n`` never occurs inside one). :class:`StreamSummary` reads each
+event's JSON for what the gateway must know: usage, finish reasons, the number of
+content chunks and the text (to cache a finished answer).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+DONE = b"data: [DONE]"
+
+
+class EventFramer:
+    """Splits bytes into complete SSE events (each returned with its terminating
+    blank line). Only the unfinished tail is held back."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self._tail + data if self._tail else data
+        if b"\r\n" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self._tail = buf
+            return []
+        self._tail = buf[end + 2 :]
+        return [e + b"\n\n" for e in buf[:end].split(b"\n\n") if e]
+
+    @property
+    def pending(self) -> bytes:
+        return self._tail
+
+
+def event_data(event: bytes) -> bytes:
+    """The payload of an event's ``data:`` lines, joined by newlines (SSE spec)."""
+    lines = [ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
+    return b"\n".join(lines)
+
+
+@dataclass
+class StreamSummary:
+    """What was seen in a stream so far.
+
+    Attributes:
+        usage: the engine's usage object (from the usage-only chunk), or None.
+        finish_reasons: per choice index, the finish reason once sent.
+        content_chunks: chunks that carried generated text (≈ tokens streamed; used
+            for the completion tokens of a stream cut short).
+        done: ``[DONE]`` was seen.
+        error: an error object the engine sent inside the stream, if any.
+    """
+
+    chat: bool
+    usage: dict[str, Any] | None = None
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    content_chunks: int = 0
+    done: bool = False
+    error: dict[str, Any] | None = None
+    first: dict[str, Any] | None = None
+    texts: dict[int, list[str]] = field(default_factory=dict)
+
+    def observe(self, event: bytes) -> dict[str, Any] | None:
+        """Record one event; returns its parsed JSON (None for ``[DONE]``, comments
+        and unparsable payloads, which are passed through untouched)."""
+        payload = event_data(event)
+        if payload == b"[DONE]":
+            self.done = True
+            return None
+        if not payload:
+            return None
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        if "error" in obj and "choices" not in obj:
+            self.error = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
+            return obj
+        if self.first is None:
+            self.first = obj
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+        for choice in obj.get("choices") or ():
+            idx = choice.get("index", 0)
+            text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+            if text:
+                self.content_chunks += 1
+                self.texts.setdefault(idx, []).append(text)
+            if choice.get("finish_reason"):
+                self.finish_reasons[idx] = choice["finish_reason"]
+        return obj
+
+    def to_response(self) -> dict[str, Any] | None:
+        """The equivalent non-streaming response body, or None when the stream did
+        not finish normally (no ``[DONE]``, an error, or a choice without a finish
+        reason). Only text answers are reassembled; tool-call deltas are not."""
+        if not self.done or self.error or self.first is None or not self.finish_reasons:
+            return None
+        indices = sorted(set(self.texts) | set(self.finish_reasons))
+        if any(i not in self.finish_reasons for i in indices):
+            return None
+        choices = []
+        for i in indices:
+            text = "".join(self.texts.get(i, []))
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "finish_reason": self.finish_reasons[i]})
+            else:
+                choices.append({"index": i, "text": text, "finish_reason": self.finish_reasons[i]})
+        return {
+            "id": self.first.get("id"),
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.first.get("created"),
+            "model": self.first.get("model"),
+            "choices": choices,
+            "usage": self.usage,
+        }

@@ -1,0 +1,169 @@
+"""A small OpenAI/vLLM-shaped engine served over real loopback HTTP, with switches
+for the failure modes the gateway must survive.
+
+It speaks the same API as vLLM (``/v1/chat/completions``, ``/v1/completions``,
+``/v1/models``, ``/health``, ``/metrics`` with vLLM metric names) and records what it
+received. ``mode`` selects a behaviour for the next requests:
+
+* ``ok``: the answer ``reply`` (streamed one word per chunk, usage when asked).
+* ``split_utf8``: the stream's bytes are written in 3-byte pieces, so multi-byte
+  characters are cut between writes.
+* ``die_mid_stream``: two chunks, then the connection is dropped.
+* ``slow_first``: waits ``delay_s`` before the first chunk (or the JSON answer).
+* ``stall``: one chunk, then waits ``delay_s`` before the next.
+* ``error500``: answers HTTP 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass
+class FakeEngine:
+    model: str = "fake-model"
+    reply: str = "Hello from the fake engine, naïve café 日本語 🚀 done."
+    mode: str = "ok"
+    delay_s: float = 0.0
+    running: int = 0
+    received: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    aborted: int = 0
+    runner: web.AppRunner | None = None
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, port: int = 0) -> FakeEngine:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    # ---------------------------------------------------------------- handlers
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        labels = f'engine="0",model_name="{self.model}"'
+        text = (
+            f"vllm:num_requests_running{{{labels}}} {self.running}\n"
+            f"vllm:num_requests_waiting{{{labels}}} 0\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} 0.1\n"
+            f"vllm:prefix_cache_queries_total{{{labels}}} 0\n"
+            f"vllm:prefix_cache_hits_total{{{labels}}} 0\n"
+            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="1000",{labels}}} 1\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, chat=False)
+
+    async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(body)
+        self.headers.append(dict(request.headers))
+        if self.mode == "error500":
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        self.running += 1
+        try:
+            if body.get("stream"):
+                return await self._stream(request, body, chat)
+            if self.mode == "slow_first":
+                await asyncio.sleep(self.delay_s)
+            return web.json_response(self._full(body, chat))
+        except asyncio.CancelledError:
+            self.aborted += 1
+            raise
+        finally:
+            self.running -= 1
+
+    def _words(self, body: dict[str, Any]) -> list[str]:
+        words = [w + " " for w in self.reply.split(" ")]
+        words[-1] = words[-1].rstrip()
+        cap = body.get("max_completion_tokens") or body.get("max_tokens")
+        return words[:cap] if cap else words
+
+    def _usage(self, body: dict[str, Any]) -> dict[str, int]:
+        n = len(self._words(body))
+        return {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
+
+    def _full(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+        text = "".join(self._words(body))
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "stop", "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": body["model"], "choices": [choice],
+                "usage": self._usage(body)}
+
+    def _chunks(self, body: dict[str, Any], chat: bool) -> list[bytes]:
+        base = {"id": "cmpl-fake", "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": body["model"]}
+        out = []
+        if chat:
+            out.append({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "finish_reason": None}]})
+        for w in self._words(body):
+            choice = {"index": 0, "delta": {"content": w}} if chat else {"index": 0, "text": w}
+            out.append({**base, "choices": [{**choice, "finish_reason": None}]})
+        last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+        out.append({**base, "choices": [{**last, "finish_reason": "stop"}]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            out.append({**base, "choices": [], "usage": self._usage(body)})
+        return [b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n" for c in out] + [
+            b"data: [DONE]\n\n"]
+
+    async def _stream(self, request: web.Request, body: dict[str, Any], chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunks = self._chunks(body, chat)
+        if self.mode == "slow_first":
+            await asyncio.sleep(self.delay_s)
+        for i, chunk in enumerate(chunks):
+            if self.mode == "die_mid_stream" and i == 2:
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+            if self.mode == "stall" and i == 1:
+                await asyncio.sleep(self.delay_s)
+            if self.mode == "split_utf8":
+                for j in range(0, len(chunk), 3):
+                    await resp.write(chunk[j:j + 3])
+                    await asyncio.sleep(0)
+            else:
+                await resp.write(chunk)
+            if self.delay_s and self.mode == "ok":
+                await asyncio.sleep(self.delay_s)
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,260 @@
+"""The OpenAI surface of the gateway over loopback HTTP, in front of fake engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from gateway.auth import hash_key
+from tests.integration.conftest import make_config, run_gateway
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}]}
+
+
+async def error_of(resp) -> dict:
+    assert resp.headers["Content-Type"].startswith("application/json")
+    body = await resp.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+async def test_chat_and_completions_non_streaming(engines):
+    (fake,) = await engines(1)
+    async with run_gateway(make_config([fake])) as gw:
+        r = await gw.post("/v1/chat/completions", CHAT)
+        assert r.status == 200
+        body = await r.json()
+        assert body["choices"][0]["message"]["content"] == fake.reply
+        assert body["usage"]["completion_tokens"] == len(fake.reply.split(" "))
+        assert r.headers["x-sluice-engine"] == "e0"
+        assert len(r.headers["x-request-id"]) == 32
+        r = await gw.post("/v1/completions", {"model": "fake-model", "prompt": "Once"})
+        assert (await r.json())["choices"][0]["text"] == fake.reply
+
+
+async def test_validation_errors_name_the_param(engines):
+    (fake,) = await engines(1)
+    async with run_gateway(make_config([fake])) as gw:
+        r = await gw.post("/v1/chat/completions", data=b"{not json",
+                          headers={"Content-Type": "application/json"})
+        assert r.status == 400
+        assert (await error_of(r))["code"] == "invalid_request"
+        r = await gw.post("/v1/chat/completions", {"model": "fake-model"})
+        assert r.status == 400 and (await error_of(r))["param"] == "messages"
+        r = await gw.post("/v1/chat/completions", {**CHAT, "max_tokens": "ten"})
+        assert r.status == 400 and (await error_of(r))["param"] == "max_tokens"
+        r = await gw.post("/v1/chat/completions",
+                          {"model": "fake-model", "messages": [{"role": "wizard", "content": "x"}]})
+        assert r.status == 400 and (await error_of(r))["param"] == "messages[0].role"
+        r = await gw.post("/v1/completions", {"model": "fake-model", "prompt": 5})
+        assert r.status == 400 and (await error_of(r))["param"] == "prompt"
+        r = await gw.post("/v1/chat/completions", [1, 2])
+        assert r.status == 400
+        assert fake.received == []  # nothing invalid reached the engine
+
+
+async def test_unknown_model_is_404(engines):
+    (fake,) = await engines(1)
+    async with run_gateway(make_config([fake])) as gw:
+        r = await gw.post("/v1/chat/completions", {**CHAT, "model": "gpt-17"})
+        assert r.status == 404
+        err = await error_of(r)
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+
+
+async def test_body_limit_is_8_mib_by_default_and_413_above(engines):
+    (fake,) = await engines(1)
+    async with run_gateway(make_config([fake])) as gw:
+        big = {**CHAT, "messages": [{"role": "user", "content": "a" * (2 * 1024 * 1024)}]}
+        r = await gw.post("/v1/chat/completions", big)
+        assert r.status == 200  # above aiohttp's own 1 MiB default
+        huge = {**CHAT, "messages": [{"role": "user", "content": "a" * (9 * 1024 * 1024)}]}
+        r = await gw.post("/v1/chat/completions", huge)
+        assert r.status == 413
+        assert (await error_of(r))["code"] == "request_too_large"
+
+
+async def test_no_ready_engine_is_503_with_integer_retry_after(engines):
+    (fake,) = await engines(1)
+    cfg = make_config([fake], models=["other-model"])
+    async with run_gateway(cfg, ready=1) as gw:
+        r = await gw.post("/v1/chat/completions", {**CHAT, "model": "other-model"})
+        assert r.status == 503
+        assert int(r.headers["Retry-After"]) >= 1
+        assert (await error_of(r))["code"] == "engine_unavailable"
+
+
+async def test_engine_timeout_is_504(engines):
+    (fake,) = await engines(1, mode="slow_first", delay_s=2.0)
+    cfg = make_config([fake], gateway={"timeouts": {"non_stream_s": 0.3, "first_token_s": 0.3}})
+    async with run_gateway(cfg) as gw:
+        r = await gw.post("/v1/chat/completions", CHAT)
+        assert r.status == 504
+        assert (await error_of(r))["code"] == "upstream_timeout"
+        r = await gw.post("/v1/chat/completions", {**CHAT, "stream": True})
+        assert r.status == 504  # first-token timeout before any byte: a clean error
+
+
+async def test_unknown_route_and_method_are_openai_errors(engines):
+    (fake,) = await engines(1)
+    async with run_gateway(make_config([fake])) as gw:
+        r = await gw.session.get(gw.url + "/v1/nope")
+        assert r.status == 404 and (await error_of(r))["code"] == "not_found"
+        r = await gw.session.get(gw.url + "/v1/chat/completions")
+        assert r.status == 405
+
+
+async def test_auth_keys_and_anonymous(engines):
+    (fake,) = await engines(1)
+    tenants = {"allow_anonymous": False,
+               "tenants": [{"name": "acme", "api_key_hashes": [hash_key("sk-acme")]}]}
+    async with run_gateway(make_config([fake], tenants=tenants)) as gw:
+        r = await gw.post("/v1/chat/completions", CHAT)
+        assert r.status == 401 and (await error_of(r))["type"] == "authentication_error"
+        r = await gw.post("/v1/chat/completions", CHAT, headers={"Authorization": "Bearer sk-bad"})
+        assert r.status == 401
+        r = await gw.post("/v1/chat/completions", CHAT, headers={"Authorization": "Bearer sk-acme"})
+        assert r.status == 200
+        r = await gw.post("/v1/chat/completions", CHAT, headers={"x-api-key": "sk-acme"})
+        assert r.status == 200
+    # anonymous allowed (loopback) — but a wrong key is still refused
+    tenants["allow_anonymous"] = True
+    async with run_gateway(make_config([fake], tenants=tenants)) as gw:
+        assert (await gw.post("/v1/chat/completions", CHAT)).status == 200
+        r = await gw.post("/v1/chat/completions", CHAT, headers={"x-api-key": "sk-bad"})
+        assert r.status == 401
+
+
+async def test_client_credentials_and_hop_by_hop_headers_never_reach_engine(engines):
+    (fake,) = await engines(1)
+    tenants = {"tenants": [{"name": "acme", "api_key_hashes": [hash_key("sk-acme")]}]}
+    async with run_gateway(make_config([fake], tenants=tenants)) as gw:
+        r = await gw.post("/v1/chat/completions", CHAT, headers={
+            "Authorization": "Bearer sk-acme", "Cookie": "session=secret",
+            "Proxy-Authorization": "Basic eA==", "Keep-Alive": "timeout=5", "TE": "trailers",
+            "x-api-key": "sk-acme", "Upgrade": "h2c", "x-request-id": "req-123"})
+        assert r.status == 200
+    sent = {k.lower() for k in fake.headers[-1]}
+    for h in ("authorization", "x-api-key", "cookie", "proxy-authorization", "keep-alive",
+              "te", "upgrade"):
+        assert h not in sent
+    assert fake.headers[-1]["x-request-id"] == "req-123"
+
+
+async def test_unknown_fields_pass_through_untouched(engines):
+    (fake,) = await engines(1)
+    extra = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+             "tool_choice": "auto", "response_format": {"type": "json_object"}, "logprobs": True,
+             "top_logprobs": 2, "n": 1, "seed": 7, "vendor_knob": {"a": [1, 2]},
+             "max_completion_tokens": 3}
+    async with run_gateway(make_config([fake])) as gw:
+        r = await gw.post("/v1/chat/completions", {**CHAT, **extra})
+        assert r.status == 200
+        body = await r.json()
+    assert fake.received[-1] == {**CHAT, **extra}
+    assert body["choices"][0]["message"]["content"] == "".join(
+        w + " " for w in fake.reply.split(" ")[:3]).rstrip()
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    return [e for e in raw.split(b"\n\n") if e]
+
+
+async def test_stream_split_inside_utf8_is_passed_through_intact(engines):
+    (fake,) = await engines(1, mode="split_utf8")
+    async with run_gateway(make_config([fake])) as gw:
+        r = await gw.post("/v1/chat/completions", {**CHAT, "stream": True})
+        assert r.status == 200
+        assert r.headers["Content-Type"] == "text/event-stream"
+        assert r.headers["Cache-Control"] == "no-cache"
+        assert r.headers["X-Accel-Buffering"] == "no"
+        assert "Content-Length" not in r.headers
+        raw = await r.read()
+    events = sse_events(raw)
+    assert events[-1] == b"data: [DONE]"
+    text = "".join(json.loads(e[6:])["choices"][0]["delta"].get("content") or ""
+                   for e in events[:-1])
+    assert text == fake.reply
+    # the engine was asked for usage, but the client did not ask: no usage-only chunk
+    assert fake.received[-1]["stream_options"] == {"include_usage": True}
+    assert all(json.loads(e[6:]).get("choices") for e in events[:-1])
+
+
+async def test_stream_usage_when_client_asks(engines):
+    (fake,) = await engines(1)
+    async with run_gateway(make_config([fake])) as gw:
+        r = await gw.post("/v1/completions", {"model": "fake-model", "prompt": "x", "stream": True,
+                                              "stream_options": {"include_usage": True}})
+        events = sse_events(await r.read())
+    usage = json.loads(events[-2][6:])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(fake.reply.split())
+
+
+async def test_engine_failure_mid_stream_sends_error_event_and_no_done(engines):
+    e0, e1 = await engines(2, mode="die_mid_stream")
+    async with run_gateway(make_config([e0, e1])) as gw:
+        r = await gw.post("/v1/chat/completions", {**CHAT, "stream": True})
+        assert r.status == 200
+        events = sse_events(await r.read())
+    assert b"[DONE]" not in events[-1]
+    err = json.loads(events[-1][6:])["error"]
+    assert err["code"] == "upstream_error"
+    # bytes had reached the client: no retry on the other engine
+    assert len(e0.received) + len(e1.received) == 1
+
+
+async def test_retry_on_other_engine_before_first_byte(engines):
+    bad, good = await engines(2)
+    bad.mode = "error500"
+    async with run_gateway(make_config([bad, good])) as gw:
+        for _ in range(4):
+            r = await gw.post("/v1/chat/completions", {**CHAT, "stream": True})
+            assert r.status == 200
+            assert sse_events(await r.read())[-1] == b"data: [DONE]"
+    assert len(good.received) == 4
+
+
+async def test_idle_timeout_mid_stream_is_an_error_event(engines):
+    (fake,) = await engines(1, mode="stall", delay_s=3.0)
+    cfg = make_config([fake], gateway={"timeouts": {"idle_s": 0.3}})
+    async with run_gateway(cfg) as gw:
+        r = await gw.post("/v1/chat/completions", {**CHAT, "stream": True})
+        events = sse_events(await r.read())
+    assert json.loads(events[-1][6:])["error"]["code"] == "upstream_timeout"
+    assert all(b"[DONE]" not in e for e in events)
+
+
+async def test_client_disconnect_aborts_upstream(engines):
+    (fake,) = await engines(1, delay_s=0.2)  # streams slowly
+    async with run_gateway(make_config([fake])) as gw:
+        r = await gw.post("/v1/chat/completions", {**CHAT, "stream": True})
+        await r.content.readany()
+        assert fake.running == 1
+        r.close()  # the client goes away mid-stream
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2.0
+        while fake.running and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        assert fake.running == 0
+        assert fake.aborted == 1
+        assert gw.pool.engines[0].in_flight == 0
+
+
+async def test_models_lists_ready_engines_while_one_is_down(engines):
+    a, b = await engines(2)
+    b.model = "second-model"
+    async with run_gateway(make_config([a, b])) as gw:
+        r = await gw.session.get(gw.url + "/v1/models")
+        assert sorted(m["id"] for m in (await r.json())["data"]) == ["fake-model", "second-model"]
+        assert (await gw.session.get(gw.url + "/ready")).status == 200
+        await b.stop()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while gw.pool.engines[1].routable and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        r = await gw.session.get(gw.url + "/v1/models")
+        assert r.status == 200
+        assert [m["id"] for m in (await r.json())["data"]] == ["fake-model"]
+        r = await gw.session.get(gw.url + "/ready")
+        assert r.status == 503 and (await r.json())["missing_models"] == ["second-model"]
+        assert (await gw.session.get(gw.url + "/health")).status == 200
