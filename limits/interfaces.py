@@ -1,0 +1,120 @@
+"""The narrow interfaces ``limits`` depends on.
+
+* :class:`CounterStore` — where rate-limit and concurrency state lives
+  (``memory://`` in-process or ``redis://`` shared by every gateway replica).
+* :class:`Clock` — monotonic time, injected so tests control it.
+* :class:`EngineLoad` — what the saturation check needs to know about one engine;
+  the gateway adapts ``engines.pool.Engine`` to it (``limits`` never imports
+  ``engines``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One GCRA bucket operation.
+
+    Attributes:
+        key: store key; keys of one call should share a Redis Cluster hash tag
+            (``{tenant}``) so a multi-bucket take stays on one shard.
+        cost: units to take (requests or tokens); negative in :meth:`CounterStore.adjust`
+            means a refund.
+        rate_per_s: sustained rate, units per second (limit per minute / 60).
+        burst: bucket capacity, units (one minute's limit for per-minute limits).
+    """
+
+    key: str
+    cost: float
+    rate_per_s: float
+    burst: float
+
+
+@dataclass(frozen=True)
+class TakeResult:
+    """Answer of :meth:`CounterStore.take`.
+
+    Attributes:
+        allowed: every bucket had room; all were charged.
+        retry_after_s: when denied, seconds until all buckets would have room; 0 otherwise.
+        denied: when denied, index of the bucket that needs the longest wait; else None.
+    """
+
+    allowed: bool
+    retry_after_s: float = 0.0
+    denied: int | None = None
+
+
+class StoreUnavailable(Exception):
+    """The backing service of a :class:`CounterStore` cannot be reached in time."""
+
+
+class CounterStore(Protocol):
+    """Atomic counters for rate limits and concurrency leases.
+
+    Time is the store's own (Redis server time for Redis, an injected clock for
+    memory), so every replica sharing a store agrees on it. A store backed by a
+    service raises :class:`StoreUnavailable` when it cannot reach it; the store
+    ``open_store`` returns handles outages itself (fail open or closed).
+    """
+
+    async def take(self, buckets: Sequence[Bucket]) -> TakeResult:
+        """All-or-nothing GCRA take: charge every bucket its ``cost`` only if each
+        has room now; otherwise charge none."""
+
+    async def adjust(self, bucket: Bucket) -> None:
+        """Charge ``bucket.cost`` more (positive: may go into debt) or refund it
+        (negative: never above a full bucket), unconditionally."""
+
+    async def acquire(self, key: str, lease_id: str, limit: int, ttl_s: float) -> bool:
+        """Take one of ``limit`` concurrency slots under ``key`` as a lease expiring
+        after ``ttl_s`` seconds. Re-acquiring a held ``lease_id`` renews it and
+        succeeds even when the slots are full. Expired leases free their slots."""
+
+    async def release(self, key: str, lease_id: str) -> None:
+        """Return a lease; releasing an unknown or expired lease does nothing."""
+
+    async def close(self) -> None:
+        """Release connections and background tasks."""
+
+
+class Clock(Protocol):
+    """Monotonic time source."""
+
+    def now(self) -> float:
+        """Seconds since an arbitrary origin; never goes backwards."""
+
+
+class EngineLoad(Protocol):
+    """One engine's load, as the saturation check needs it.
+
+    Attributes:
+        kv_cache_usage: fraction of KV-cache blocks in use, 0–1; None when not reported.
+        num_waiting: requests queued inside the engine.
+        block_size: tokens per KV block; None when unknown.
+        num_blocks: KV blocks in the engine's cache; None when unknown.
+        promised_blocks: KV blocks already promised to in-flight requests.
+        metrics_at: clock time of the metrics scrape, s; None before the first one.
+    """
+
+    @property
+    def kv_cache_usage(self) -> float | None: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def block_size(self) -> int | None: ...
+
+    @property
+    def num_blocks(self) -> int | None: ...
+
+    @property
+    def promised_blocks(self) -> int: ...
+
+    @property
+    def metrics_at(self) -> float | None: ...
