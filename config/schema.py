@@ -81,6 +81,8 @@ class SemanticCacheConfig(_Strict):
     threshold: float = Field(0.86, ge=0, le=1, description="cosine similarity 0-1")
     max_entries_per_scope: int = Field(100_000, ge=1)
     max_scopes: int = Field(10_000, ge=1)
+    max_total_entries: int = Field(
+        200_000, ge=1, description="in-memory vectors over all scopes (~2 KB each)")
 
 
 class CacheConfig(_Strict):
