@@ -1,0 +1,80 @@
+"""Start a gateway (``sluice serve``) as a child process for a benchmark, wait until
+it is ready, and find the engines it launched."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningGateway:
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    def engine_urls(self) -> list[str]:
+        """``http://127.0.0.1:PORT`` of each engine process the gateway launched."""
+        urls = []
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            cmd = child.cmdline()
+            if "--port" in cmd and any("vllm.entrypoints" in c or "loadtest.sim_engine" in c
+                                       for c in cmd):
+                urls.append(f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}")
+        return sorted(set(urls))
+
+
+@contextmanager
+def gateway(config_dir: Path | None = None, *, ready_timeout_s: float = 600,
+            log_path: Path | None = None, extra_args: list[str] | None = None,
+            ) -> Iterator[RunningGateway]:
+    """Run ``sluice serve`` on a free port until the ``with`` block ends (SIGTERM:
+    drain and stop the engines).
+
+    Raises:
+        TimeoutError: ``/ready`` did not answer 200 within ``ready_timeout_s``.
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+    if config_dir is not None:
+        cmd += ["--config-dir", str(config_dir)]
+    log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd + (extra_args or []), stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    gw = RunningGateway(proc, f"http://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {proc.returncode}")
+            try:
+                if httpx.get(gw.url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("gateway did not become ready")
+            time.sleep(0.5)
+        yield gw
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()

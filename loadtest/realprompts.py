@@ -1,0 +1,117 @@
+"""``python -m loadtest realprompts --json PATH [--limit N]``: the gateway's cost on a
+real engine.
+
+Sends the first N (default 100) Arena-Hard v0.1 prompts as streamed chat requests
+(max_tokens 64) at concurrency 1 and 8, straight to the engine and through the
+gateway, in the same run. At concurrency 1 the two paths alternate prompt by prompt
+so that drift in the machine's speed hits both alike. Prompts are cut to
+``--max-prompt-chars`` (default 4,000 ≈ 1,000 tokens) so they fit the engine's
+2,048-token context.
+
+Without ``--gateway-url``/``--engine-url`` it starts ``sluice serve`` with the shipped
+default config (one CPU vLLM engine on the packaged Gemma 3 270M) and measures that.
+
+JSON: ``{"direct"|"gateway": {"c1"|"c8": {ttft_p50_ms, ttft_p99_ms, tpot_p50_ms,
+output_tok_s, errors}}, "throughput_ratio_c8": gateway/direct, "ttft_p50_added_ms_c1"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadtest.client import Measured, percentile_ms, send_measured
+from loadtest.workloads import arena_hard_prompts
+
+
+def summarize(results: list[Measured], wall_s: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    return {
+        "ttft_p50_ms": percentile_ms([r.ttft_s for r in ok], 50),
+        "ttft_p99_ms": percentile_ms([r.ttft_s for r in ok], 99),
+        "tpot_p50_ms": percentile_ms([r.tpot_s for r in ok], 50),
+        "output_tok_s": round(sum(r.completion_tokens for r in ok) / wall_s, 2) if wall_s else 0,
+        "errors": len(results) - len(ok),
+    }
+
+
+def _body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def _run_concurrent(session: aiohttp.ClientSession, url: str, bodies: list[dict[str, Any]],
+                          concurrency: int) -> tuple[list[Measured], float]:
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    for b in bodies:
+        queue.put_nowait(b)
+    results: list[Measured] = []
+
+    async def worker() -> None:
+        while not queue.empty():
+            results.append(await send_measured(session, url, queue.get_nowait()))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results, time.perf_counter() - start
+
+
+async def measure(engine: str, gateway: str, model: str, prompts: list[str],
+                  max_tokens: int) -> dict[str, Any]:
+    paths = {"direct": engine + "/v1/chat/completions", "gateway": gateway + "/v1/chat/completions"}
+    bodies = [_body(model, p, max_tokens) for p in prompts]
+    out: dict[str, Any] = {"direct": {}, "gateway": {}}
+    async with aiohttp.ClientSession() as session:
+        for url in paths.values():  # warm up both paths (connections, engine caches)
+            await send_measured(session, url, _body(model, "Hello", 4))
+        c1: dict[str, list[Measured]] = {"direct": [], "gateway": []}
+        spent = {"direct": 0.0, "gateway": 0.0}
+        for i, body in enumerate(bodies):
+            order = ["direct", "gateway"] if i % 2 == 0 else ["gateway", "direct"]
+            for name in order:
+                t = time.perf_counter()
+                c1[name].append(await send_measured(session, paths[name], body))
+                spent[name] += time.perf_counter() - t
+        for name in paths:
+            out[name]["c1"] = summarize(c1[name], spent[name])
+        for name in paths:
+            results, wall = await _run_concurrent(session, paths[name], bodies, 8)
+            out[name]["c8"] = summarize(results, wall)
+    d, g = out["direct"], out["gateway"]
+    out["throughput_ratio_c8"] = round(g["c8"]["output_tok_s"] / d["c8"]["output_tok_s"], 4) \
+        if d["c8"]["output_tok_s"] else None
+    if d["c1"]["ttft_p50_ms"] is not None and g["c1"]["ttft_p50_ms"] is not None:
+        out["ttft_p50_added_ms_c1"] = round(g["c1"]["ttft_p50_ms"] - d["c1"]["ttft_p50_ms"], 2)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest realprompts", description=__doc__)
+    ap.add_argument("--json", required=True, type=Path)
+    ap.add_argument("--limit", type=int, default=100)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-prompt-chars", type=int, default=4000)
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--gateway-url")
+    ap.add_argument("--engine-url")
+    args = ap.parse_args(argv)
+    prompts = [p[: args.max_prompt_chars] for p in arena_hard_prompts()[: args.limit]]
+    if args.gateway_url and args.engine_url:
+        result = asyncio.run(measure(args.engine_url, args.gateway_url, args.model, prompts,
+                                     args.max_tokens))
+    else:
+        from loadtest.launch import gateway
+
+        with gateway() as gw:
+            (engine,) = gw.engine_urls()
+            result = asyncio.run(measure(engine, gw.url, args.model, prompts, args.max_tokens))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return 0

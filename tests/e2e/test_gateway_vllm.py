@@ -1,0 +1,154 @@
+"""End to end: ``sluice serve`` with the shipped default config launches a real CPU
+vLLM engine on the packaged Gemma 3 270M; the ``openai`` SDK talks to the gateway.
+
+The model is a base model: tests check structure, usage and behaviour, never content.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow
+MODEL = "gemma3-270m"
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    def engine_process(self) -> psutil.Process:
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            cmd = " ".join(child.cmdline())
+            if "vllm.entrypoints.openai.api_server" in cmd:
+                return child
+        raise AssertionError("no engine process under the gateway")
+
+    def engine_url(self) -> str:
+        cmd = self.engine_process().cmdline()
+        return f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "gateway exited"
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("gateway not ready")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[Served]:
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("gw") / "gateway.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    s = Served(proc, f"http://127.0.0.1:{port}")
+    try:
+        s.wait_ready(600)
+        yield s
+    finally:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"orphan engine processes: {alive}"
+
+
+@pytest.fixture
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat(client):
+    r = client.chat.completions.create(model=MODEL, max_tokens=8,
+                                       messages=[{"role": "user", "content": "Say hi"}])
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(r.choices[0].message.content, str)
+    assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 8
+
+
+def test_chat_stream_with_usage(client):
+    stream = client.chat.completions.create(
+        model=MODEL, max_tokens=8, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Count to five"}])
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 8 or any(
+        c.choices and c.choices[0].finish_reason == "stop" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert isinstance(text, str)
+
+
+def test_completions(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5)
+    assert r.usage.completion_tokens <= 5 and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_wrong_key_is_authentication_error(served):
+    bad = openai.OpenAI(base_url=served.url + "/v1", api_key="sk-not-a-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def _running(engine_url: str) -> float:
+    text = httpx.get(engine_url + "/metrics", timeout=5).text
+    m = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert m, "vllm:num_requests_running missing"
+    return float(m.group(1))
+
+
+def test_client_disconnect_lowers_engine_running(served):
+    engine = served.engine_url()
+    body = {"model": MODEL, "max_tokens": 1500, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Write a long story."}]}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", served.url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            for _ in r.iter_raw():
+                if _running(engine) >= 1:
+                    break
+    deadline = time.monotonic() + 2.0
+    while _running(engine) > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _running(engine) == 0
+
+
+def test_engine_killed_is_restarted(served, client):
+    victim = served.engine_process()
+    victim.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if httpx.get(served.url + "/ready", timeout=2).status_code == 503:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the killed engine was not marked unhealthy")
+    served.wait_ready(300)
+    assert served.engine_process().pid != victim.pid
+    r = client.chat.completions.create(model=MODEL, max_tokens=4,
+                                       messages=[{"role": "user", "content": "Hi again"}])
+    assert r.usage.completion_tokens > 0

@@ -1,0 +1,127 @@
+"""Pure pieces of the gateway: SSE framing, request parsing, auth, config errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from config.loader import ConfigError, load_config, load_file
+from config.schema import TenantsConfig
+from gateway.auth import TenantDirectory, hash_key
+from gateway.openai_api import parse_request
+from gateway.sse import EventFramer, StreamSummary
+from limits.outcome import Outcome, Rejected
+
+
+def test_framer_never_splits_utf8_and_keeps_the_tail():
+    text = "naïve 日本語 🚀"
+    stream = b"".join(b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": w}}]},
+                                              ensure_ascii=False).encode() + b"\n\n"
+                      for w in text.split(" ")) + b"data: [DONE]\n\n"
+    framer, events = EventFramer(), []
+    for i in range(0, len(stream), 5):  # 5-byte reads cut characters apart
+        events += framer.feed(stream[i:i + 5])
+    assert framer.pending == b""
+    summary = StreamSummary(chat=True)
+    for e in events:
+        summary.observe(e)
+    assert summary.done and "".join(summary.texts[0]) == text.replace(" ", "")
+    assert summary.content_chunks == 3
+
+
+def test_summary_rebuilds_a_finished_answer_only():
+    s = StreamSummary(chat=False)
+    s.observe(b'data: {"id": "x", "created": 1, "model": "m", "choices": [{"index": 0, "text": "a"}]}\n\n')
+    assert s.to_response() is None  # no finish reason yet
+    s.observe(b'data: {"id": "x", "choices": [{"index": 0, "text": "b", "finish_reason": "stop"}]}\n\n')
+    s.observe(b'data: {"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\n')
+    assert s.to_response() is None  # no [DONE]
+    s.observe(b"data: [DONE]\n\n")
+    r = s.to_response()
+    assert r["choices"] == [{"index": 0, "text": "ab", "finish_reason": "stop"}]
+    assert r["usage"]["completion_tokens"] == 2 and r["object"] == "text_completion"
+
+
+def test_parse_request_output_fields():
+    r = parse_request("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                               "max_completion_tokens": 50, "max_tokens": 70})
+    assert r.max_output_tokens == 50 and r.output_field == "max_completion_tokens"
+    r.set_output_cap(10)
+    assert r.body["max_completion_tokens"] == 10 and "max_tokens" not in r.body
+    r = parse_request("completions", {"model": "m", "prompt": [[1, 2, 3], [4]]})
+    assert r.prompt_tokens == 4 and r.max_output_tokens is None and r.output_field == "max_tokens"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+])
+def test_parse_request_names_the_param(body, param):
+    with pytest.raises(Rejected) as e:
+        parse_request("chat", body)
+    assert e.value.outcome is Outcome.INVALID_REQUEST and e.value.param == param
+
+
+def test_tenant_directory():
+    cfg = TenantsConfig.model_validate({
+        "allow_anonymous": True,
+        "tenants": [{"name": "a", "api_key_hashes": [hash_key("k1"), hash_key("k2")]},
+                    {"name": "b", "api_key_hashes": [hash_key("k3")]}]})
+    d = TenantDirectory(cfg)
+    assert d.resolve("k2", "10.0.0.1").name == "a"
+    assert d.resolve("k3", "127.0.0.1").name == "b"
+    assert d.resolve(None, "127.0.0.1").name == "anonymous"
+    assert d.resolve(None, "::1").name == "anonymous"
+    for key, remote in [(None, "10.1.2.3"), ("nope", "127.0.0.1")]:
+        with pytest.raises(Rejected) as e:
+            d.resolve(key, remote)
+        assert e.value.outcome.status == 401
+
+
+def test_shipped_config_is_valid():
+    cfg = load_config()
+    assert cfg.gateway.max_body_bytes == 8 * 1024 * 1024
+    assert cfg.engines.model_names() == ["gemma3-270m"]
+    assert cfg.tenants.allow_anonymous
+
+
+def test_config_errors_name_file_field_and_value(tmp_path):
+    p = tmp_path / "tenants.yaml"
+    p.write_text("tenants:\n  - name: acme\n    weight: -2\n")
+    with pytest.raises(ConfigError) as e:
+        load_file("tenants", p)
+    assert str(p) in str(e.value) and "tenants.0.weight" in str(e.value) and "-2" in str(e.value)
+    p.write_text("tenants:\n  - name: acme\n    api_key_hashes: [abc]\n")
+    with pytest.raises(ConfigError) as e:
+        load_file("tenants", p)
+    assert "api_key_hashes" in str(e.value) and "'abc'" in str(e.value)
+    p.write_text("tenants: [oops\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_file("tenants", p)
+    g = tmp_path / "gateway.yaml"
+    g.write_text("port: 80\nmax_body_byts: 5\n")
+    with pytest.raises(ConfigError, match="max_body_byts"):
+        load_file("gateway", g)
+
+
+def test_defaults_merge_under_tenants(tmp_path):
+    p = tmp_path / "tenants.yaml"
+    p.write_text("defaults: {requests_per_min: 60, priority: batch}\n"
+                 "tenants:\n  - {name: a}\n  - {name: b, priority: interactive}\n")
+    cfg = load_file("tenants", p)
+    assert [(t.requests_per_min, t.priority) for t in cfg.tenants] == [(60, "batch"), (60, "interactive")]
+    assert cfg.anonymous.requests_per_min == 60
+
+
+def test_check_config_cli(tmp_path, capsys):
+    from gateway.cli import main
+
+    bad = tmp_path / "engines.yaml"
+    bad.write_text("engines:\n  - {name: e, model: m, kind: external}\n")
+    assert main(["check-config", str(bad)]) == 1
+    assert "kind external needs url" in capsys.readouterr().err
+    assert main(["check-config", "config/gateway.yaml", "config/tenants.yaml"]) == 0
