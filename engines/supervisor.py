@@ -1,0 +1,193 @@
+"""The engine fleet's supervisor: one :class:`~engines.runner.EngineRunner` and one
+:class:`~engines.metrics.MetricsPoller` task per engine, plus drain and stop.
+
+The gateway creates it in ``cleanup_ctx`` with the shared ``ClientSession``, calls
+:meth:`Supervisor.start` and, on shutdown, :meth:`Supervisor.stop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import aiohttp
+
+from config.schema import EngineSpec, EnginesConfig
+from engines.metrics import MetricsPoller
+from engines.pool import Engine, EnginePool, EngineState
+from engines.process import DEFAULT_COMMANDS, CommandBuilder, choose_port
+from engines.runner import EngineRunner
+
+log = logging.getLogger(__name__)
+
+
+def engine_ids(spec: EngineSpec) -> list[str]:
+    """Pool ids of a spec's processes: ``name`` alone, or ``name-0``… with replicas."""
+    if spec.replicas == 1:
+        return [spec.name]
+    return [f"{spec.name}-{i}" for i in range(spec.replicas)]
+
+
+def _external_base_url(url: str) -> str:
+    base = url.rstrip("/")
+    return base.removesuffix("/v1")
+
+
+async def wait_for(pool: EnginePool, predicate: Callable[[], bool], timeout_s: float) -> bool:
+    """Wait until ``predicate()`` is true, re-checking on every pool notification.
+    Returns False if ``timeout_s`` seconds pass first."""
+    changed = asyncio.Event()
+    pool.listeners.append(changed.set)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not predicate():
+                changed.clear()
+                await changed.wait()
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        pool.listeners.remove(changed.set)
+
+
+class Supervisor:
+    """Launches, watches and stops the engines of ``cfg``.
+
+    Args:
+        cfg: engines and supervisor timings.
+        pool: receives one :class:`Engine` per process (or external URL).
+        session: shared client session for probes and metrics (not closed here).
+        model_cache_dir: where ``packaged:`` models are prepared (default
+            :func:`engines.prepare.default_cache_dir`).
+        clock: monotonic clock, s (grace periods, idleness, metrics timestamps).
+        commands: command builder per launched ``kind`` (default
+            :data:`engines.process.DEFAULT_COMMANDS`); tests inject their own.
+        run_dir: folder for per-engine log files ``<engine id>.log``; default
+            ``$SLUICE_RUN_DIR`` or a new temporary folder.
+    """
+
+    def __init__(
+        self,
+        cfg: EnginesConfig,
+        pool: EnginePool,
+        session: aiohttp.ClientSession,
+        *,
+        model_cache_dir: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        commands: Mapping[str, CommandBuilder] = DEFAULT_COMMANDS,
+        run_dir: Path | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.session = session
+        self.model_cache_dir = model_cache_dir
+        self.clock = clock
+        self.commands = commands
+        self.run_dir = run_dir
+        self.runners: list[EngineRunner] = []
+        self._runner_tasks: list[asyncio.Task] = []
+        self._poller_tasks: list[asyncio.Task] = []
+        self._stopped = False
+
+    @property
+    def engines(self) -> list[Engine]:
+        """The engines this supervisor created, in configuration order."""
+        return [r.engine for r in self.runners]
+
+    async def start(self) -> None:
+        """Add every engine to the pool (state ``starting``), launch the processes and
+        start the probe and metrics tasks. Returns at once; see :meth:`wait_ready`.
+
+        Raises:
+            RuntimeError: called twice.
+            KeyError: a spec's ``kind`` has no command builder.
+        """
+        if self.runners:
+            raise RuntimeError("supervisor already started")
+        run_dir = self.run_dir or Path(
+            os.environ.get("SLUICE_RUN_DIR") or tempfile.mkdtemp(prefix="sluice-run-")
+        )
+        sup = self.cfg.supervisor
+        taken: set[int] = {s.port for s in self.cfg.engines if s.port is not None}
+        for spec in self.cfg.engines:
+            command = None if spec.kind == "external" else self.commands[spec.kind]
+            for engine_id in engine_ids(spec):
+                if command is None:
+                    port, base_url = 0, _external_base_url(str(spec.url))
+                else:
+                    port = spec.port or choose_port(spec.host, spec.port_range, taken)
+                    taken.add(port)
+                    base_url = f"http://{spec.host}:{port}"
+                engine = Engine(id=engine_id, model=spec.model, base_url=base_url,
+                                labels={"spec": spec.name, "kind": spec.kind})
+                self.pool.add(engine)
+                self.runners.append(EngineRunner(
+                    engine, spec, port, sup, self.pool, self.session, command=command,
+                    log_path=run_dir / f"{engine_id}.log",
+                    model_cache_dir=self.model_cache_dir, clock=self.clock,
+                ))
+        for runner in self.runners:
+            poller = MetricsPoller(
+                self.pool, runner.engine, self.session, interval_s=sup.metrics_interval_s,
+                timeout_s=sup.probe_timeout_s, clock=self.clock,
+            )
+            name = runner.engine.id
+            self._runner_tasks.append(asyncio.create_task(runner.run(), name=f"run:{name}"))
+            self._poller_tasks.append(asyncio.create_task(poller.run(), name=f"metrics:{name}"))
+        log.info("supervising %d engines; logs in %s", len(self.runners), run_dir)
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until every engine is ``ready``. Returns False after ``timeout_s``
+        seconds, or as soon as an engine has been given up (``stopped``)."""
+        engines = self.engines
+
+        def settled() -> bool:
+            return all(e.routable for e in engines) or any(
+                e.state is EngineState.STOPPED for e in engines
+            )
+
+        return await wait_for(self.pool, settled, timeout_s) and all(
+            e.routable for e in engines
+        )
+
+    async def stop(self, grace_s: float) -> None:
+        """Drain and stop every engine; idempotent.
+
+        Stops probing and restarting, marks every engine ``draining`` (no new
+        traffic), waits up to ``grace_s`` seconds for their in-flight requests to
+        finish, then SIGTERMs each process group and SIGKILLs it after
+        ``SupervisorConfig.stop_grace_s``. Ends with every engine ``stopped`` and the
+        metrics pollers cancelled.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
+        await _cancel(self._runner_tasks)
+        for engine in self.engines:
+            self.pool.set_state(engine, EngineState.DRAINING)
+        idle = await wait_for(
+            self.pool, lambda: all(e.in_flight <= 0 for e in self.engines), grace_s
+        )
+        if not idle:
+            busy = {e.id: e.in_flight for e in self.engines if e.in_flight > 0}
+            log.warning("drain grace %.1fs over; stopping with requests in flight: %s",
+                        grace_s, busy)
+        stop_grace = self.cfg.supervisor.stop_grace_s
+        await asyncio.gather(*(r.stop_process(stop_grace) for r in self.runners))
+        for engine in self.engines:
+            self.pool.set_state(engine, EngineState.STOPPED)
+        await _cancel(self._poller_tasks)
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for task, result in zip(tasks, results):
+        if isinstance(result, Exception):
+            log.error("task %s failed: %r", task.get_name(), result)

@@ -1,0 +1,93 @@
+"""Scheduler shape: built-in filter, configured filters with fallback, weighted
+scorers, picker; the plugin registry."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from config.schema import PluginConfig, SchedulerConfig
+from engines import plugins
+from engines.plugins import LeastInFlight, MaxScore, build_filter, build_picker, build_scorer
+from engines.pool import Engine, EngineState
+from engines.scheduler import Decision, SchedRequest, Scheduler
+
+REQ = SchedRequest(model="m", tenant="t", prompt_tokens=10)
+
+
+def eng(id_: str, in_flight: int = 0, state: EngineState = EngineState.READY,
+        model: str = "m") -> Engine:
+    return Engine(id=id_, model=model, base_url=f"http://{id_}", state=state,
+                  in_flight=in_flight)
+
+
+def test_least_in_flight_scores() -> None:
+    es = [eng("a", 0), eng("b", 2), eng("c", 4)]
+    assert LeastInFlight().score(REQ, es, 0) == [1.0, 0.5, 0.0]
+    assert LeastInFlight().score(REQ, [eng("a"), eng("b")], 0) == [1.0, 1.0]
+
+
+def test_max_score_breaks_ties_at_random() -> None:
+    picker = MaxScore(random.Random(1))
+    es = [eng("a"), eng("b"), eng("c")]
+    assert picker.pick(es, [0.2, 0.9, 0.1]) == 1
+    assert {picker.pick(es, [0.5, 0.5, 0.1]) for _ in range(50)} == {0, 1}
+
+
+def test_only_ready_engines_of_the_model() -> None:
+    s = Scheduler(SchedulerConfig(), random.Random(0))
+    es = [eng("down", state=EngineState.STARTING), eng("other", model="x"),
+          eng("draining", state=EngineState.DRAINING), eng("ok", in_flight=9)]
+    d = s.pick(REQ, es, 0)
+    assert isinstance(d, Decision) and d.engine.id == "ok"
+    assert s.pick(SchedRequest(model="nope", tenant="t", prompt_tokens=1), es, 0) is None
+    assert s.pick(REQ, es[:3], 0) is None
+
+
+def test_least_loaded_engine_wins_and_scores_are_reported() -> None:
+    s = Scheduler(SchedulerConfig(scorers=[PluginConfig(type="least-in-flight", weight=2)]))
+    d = s.pick(REQ, [eng("a", 3), eng("b", 1), eng("c", 2)], 0)
+    assert d is not None and d.engine.id == "b"
+    assert d.scores == {"least-in-flight": pytest.approx(2 / 3), "total": pytest.approx(4 / 3)}
+
+
+class _DropAll:
+    def filter(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[Engine]:
+        return []
+
+
+class _OnlyB:
+    def filter(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[Engine]:
+        return [e for e in engines if e.id == "b"]
+
+
+def test_configured_filters_narrow_and_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plugins, "FILTERS", {"drop-all": _DropAll, "only-b": _OnlyB})
+    es = [eng("a", 0), eng("b", 5)]
+    narrow = Scheduler(SchedulerConfig(filters=[PluginConfig(type="only-b")]))
+    assert narrow.pick(REQ, es, 0).engine.id == "b"
+    fallback = Scheduler(SchedulerConfig(filters=[PluginConfig(type="drop-all")]))
+    assert fallback.pick(REQ, es, 0).engine.id == "a"  # healthy list, least in flight
+
+
+def test_unknown_type_names_it() -> None:
+    with pytest.raises(ValueError, match="unknown scorer type 'nope'.*least-in-flight"):
+        build_scorer(PluginConfig(type="nope"))
+    with pytest.raises(ValueError, match="unknown filter type 'kv-x'"):
+        build_filter(PluginConfig(type="kv-x"))
+    with pytest.raises(ValueError, match="unknown picker type 'first'"):
+        Scheduler(SchedulerConfig(picker=PluginConfig(type="first")))
+
+
+def test_bad_params_are_a_value_error() -> None:
+    with pytest.raises(ValueError, match="least-in-flight.*bad params"):
+        build_scorer(PluginConfig(type="least-in-flight", params={"x": 1}))
+    assert isinstance(build_picker(PluginConfig(type="max-score", params={"tolerance": 0.1}),
+                                   random.Random()), MaxScore)
+
+
+def test_registries_are_immutable() -> None:
+    with pytest.raises(TypeError):
+        plugins.SCORERS["x"] = LeastInFlight  # type: ignore[index]
