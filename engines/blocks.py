@@ -26,11 +26,14 @@ FALLBACK_VOCAB_SIZE = 262_144
 #: 3.14 / 3.01; 7: 3.86 / 3.65), so token counts stay within ~7% of a real BPE.
 MAX_LETTERS_PER_PIECE = 6
 
-# Pieces: an optional leading space, then a run of ≤6 letters, ≤3 digits (as
+# Pieces: a chat-template control token such as ``<start_of_turn>`` or
+# ``<|im_start|>`` (one token in real vocabularies), or an optional leading space,
+# then a run of ≤6 letters, ≤3 digits (as
 # Llama 3 / GPT-4 pre-tokenisers split numbers), ≤2 other symbols or ≤2
 # underscores; whitespace runs are pieces of their own. Every character belongs to
 # exactly one piece.
 _PIECE = re.compile(
+    r"<\|?[a-z_]{2,24}\|?>|"
     rf" ?[^\W\d_]{{1,{MAX_LETTERS_PER_PIECE}}}| ?\d{{1,3}}| ?[^\w\s]{{1,2}}| ?_{{1,2}}|\s+"
 )
 

@@ -1,0 +1,68 @@
+"""``python -m loadtest.sim_engine --port P --profile NAME [options]``: serve one
+simulated vLLM engine until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+
+from loadtest.sim_engine.engine import SimEngine
+from loadtest.sim_engine.profiles import PROFILES, get_profile
+from loadtest.sim_engine.server import serve
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtest.sim_engine",
+                                description="Simulated vLLM engine (OpenAI API).")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model", default="sim-model", help="served model name")
+    p.add_argument("--profile", default="cpu-gemma3-270m", choices=sorted(PROFILES))
+    p.add_argument("--speed", type=float, default=1.0,
+                   help="simulated seconds per wall second (default 1)")
+    p.add_argument("--num-blocks", type=int, help="override the profile's KV blocks")
+    p.add_argument("--block-size", type=int, help="override tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--max-model-len", type=int)
+    return p.parse_args(argv)
+
+
+async def _serve_forever(args: argparse.Namespace) -> None:
+    profile = get_profile(args.profile).with_overrides(
+        num_blocks=args.num_blocks, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len)
+    engine = SimEngine(profile, args.model, speed=args.speed)
+    runner = await serve(engine, args.host, args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"sim engine {args.model} ({profile.name}, speed {args.speed}) on "
+          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        uvloop = None
+    with contextlib.suppress(KeyboardInterrupt):
+        if uvloop is not None:
+            uvloop.run(_serve_forever(args))
+        else:
+            asyncio.run(_serve_forever(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

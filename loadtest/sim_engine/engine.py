@@ -1,0 +1,78 @@
+"""The simulated engine's step loop: schedule, sleep the modelled step time, commit.
+
+One coroutine per engine drives every request (no per-request timers), so an
+engine costs O(batch) Python work per step whatever the token rate; several engines
+with ``speed`` factors fit on a couple of cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from loadtest.sim_engine.kv_cache import KVCache
+from loadtest.sim_engine.metrics import SimMetrics
+from loadtest.sim_engine.profiles import Profile
+from loadtest.sim_engine.scheduler import Scheduler, SimRequest
+
+
+class SimEngine:
+    """A simulated vLLM engine core.
+
+    Args:
+        profile: geometry, limits and cost model (see ``profiles.py``).
+        model_name: served model name (metric label).
+        speed: simulated seconds per wall second (> 0); 2.0 runs twice as fast as
+            the modelled device, 0.5 half as fast.
+        clock: monotonic wall clock, s (injectable for tests).
+    """
+
+    def __init__(self, profile: Profile, model_name: str, speed: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if speed <= 0:
+            raise ValueError("speed must be > 0")
+        capacity = (profile.num_blocks - 1) * profile.block_size
+        if capacity < profile.max_model_len:
+            # vLLM refuses to start in this case too (vllm/v1/core/kv_cache_utils.py,
+            # check_enough_kv_cache_memory).
+            raise ValueError(f"KV cache holds {capacity} tokens, less than "
+                             f"max_model_len {profile.max_model_len}")
+        self.profile = profile
+        self.model_name = model_name
+        self.speed = speed
+        self.clock = clock
+        self.kv = KVCache(profile.num_blocks, profile.block_size)
+        self.scheduler = Scheduler(profile, self.kv)
+        self.metrics = SimMetrics(self.scheduler, model_name)
+        self._wake = asyncio.Event()
+
+    def submit(self, req: SimRequest) -> None:
+        """Queue ``req`` (its ``arrival_s`` is set to now)."""
+        req.arrival_s = self.clock()
+        self.scheduler.add(req)
+        self._wake.set()
+
+    def abort(self, req: SimRequest) -> None:
+        """Drop ``req`` now: it stops counting as running/waiting, its blocks are
+        freed (idempotent)."""
+        self.scheduler.abort(req)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Step forever (cancel to stop)."""
+        while True:
+            plan = self.scheduler.schedule() if self.scheduler.has_work else None
+            if plan is None or not plan.scheduled:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            step_s = self.profile.step_seconds(plan.prefill_tokens, plan.decode_seqs,
+                                               plan.kv_tokens)
+            await asyncio.sleep(step_s / self.speed)
+            now = self.clock()
+            for req in self.scheduler.commit(plan, now):
+                if req.last_itl_s is None:
+                    self.metrics.ttft.observe((now - req.arrival_s) * self.speed)
+                else:
+                    self.metrics.itl.observe(req.last_itl_s * self.speed)

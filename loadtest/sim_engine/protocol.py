@@ -1,0 +1,247 @@
+"""OpenAI request parsing and response shapes of the simulated engine, matching
+vLLM's OpenAI server (``vllm/entrypoints/openai/``): compact JSON, SSE events
+``data: {json}\\n\\n`` ending with ``data: [DONE]\\n\\n``, a role-only first chunk
+for chat, a usage-only last chunk (empty ``choices``) when
+``stream_options.include_usage`` is set, and errors as
+``{"error": {"message", "type", "param", "code"}}``
+(``vllm/entrypoints/serve/engine/protocol.py`` ``ErrorResponse``).
+
+Simplifications (documented, deliberate): one choice (``n`` = 1), one prompt per
+completion request, output length = ``max_tokens`` (no stop strings, finish reason
+``length``), default ``max_tokens`` 16 (OpenAI's legacy completions default; vLLM
+defaults to the rest of the context).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_MAX_TOKENS = 16
+#: vLLM's limits on ``cache_salt`` (``validate_cache_salt`` in
+#: ``vllm/entrypoints/generate/base/protocol.py``).
+MAX_CACHE_SALT_LENGTH = 128
+_SALT_FORBIDDEN = set("@/\\\x00")
+
+#: Words the simulated model emits, cycled (one token each under the fallback
+#: tokenizer); content is meaningless by design.
+_OUTPUT_WORDS = (" the", " sim", " says", " hello", " and", " then", " more", " text")
+
+
+class RequestError(Exception):
+    """An OpenAI-style error response (``status`` HTTP code)."""
+
+    def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.err_type, self.param = message, status, err_type, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.err_type,
+                          "param": self.param, "code": self.status}}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """What the engine needs from a request body.
+
+    Attributes:
+        chat: chat completion (else text completion).
+        prompt_text: prompt as the engine sees it (chat template applied), or None
+            when ``prompt_token_ids`` is given.
+        prompt_token_ids: a completions prompt given as token ids.
+        max_tokens: output tokens to generate, or None for the default.
+        stream, include_usage: SSE streaming and the final usage chunk.
+        cache_salt: prefix-cache isolation key (vLLM's ``cache_salt``).
+    """
+
+    chat: bool
+    prompt_text: str | None
+    prompt_token_ids: list[int] | None
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    cache_salt: str | None
+
+
+def render_chat(messages: list[dict[str, Any]]) -> str:
+    """Render ``messages`` with a fixed Gemma-style template (the one ENGINES.md
+    sets on the CPU engine's tokenizer): BOS, then per message
+    ``<start_of_turn>{user|model|system}\\n{text}<end_of_turn>\\n``, then the
+    generation prompt ``<start_of_turn>model\\n``. Equal leading messages render to
+    equal leading text, hence equal leading token blocks."""
+    parts = ["<bos>"]
+    for m in messages:
+        role = "model" if m["role"] == "assistant" else m["role"]
+        parts.append(f"<start_of_turn>{role}\n{_text(m.get('content'))}<end_of_turn>\n")
+    parts.append("<start_of_turn>model\n")
+    return "".join(parts)
+
+
+def _text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    raise RequestError("message content must be a string or a list of parts",
+                       param="messages")
+
+
+def _common(body: Any, served_model: str) -> tuple[int | None, bool, bool, str | None]:
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise RequestError(f"The model `{model}` does not exist.", 404, "NotFoundError",
+                           "model")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int)
+                                   or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise RequestError(f"max_tokens must be at least 1, got {max_tokens}.",
+                           param="max_tokens")
+    if body.get("n", 1) != 1:
+        raise RequestError("the simulator supports n = 1 only", param="n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be a boolean", param="stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise RequestError("stream_options must be an object", param="stream_options")
+    if opts and not stream:
+        raise RequestError("Stream options can only be defined when `stream=True`.",
+                           param="stream_options")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt
+                             or len(salt) > MAX_CACHE_SALT_LENGTH
+                             or _SALT_FORBIDDEN & set(salt)):
+        raise RequestError("Parameter 'cache_salt' must be a non-empty string of at most "
+                           "128 characters without '@', '/', '\\\\' or NUL.",
+                           param="cache_salt")
+    return max_tokens, stream, bool(opts.get("include_usage")), salt
+
+
+def parse_chat(body: Any, served_model: str) -> ParsedRequest:
+    """Validate a ``/v1/chat/completions`` body; raises :class:`RequestError`."""
+    max_tokens, stream, include_usage, salt = _common(body, served_model)
+    messages = body.get("messages")
+    if (not isinstance(messages, list) or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                       for m in messages)):
+        raise RequestError("messages must be a non-empty list of {role, content}",
+                           param="messages")
+    return ParsedRequest(True, render_chat(messages), None, max_tokens, stream,
+                         include_usage, salt)
+
+
+def parse_completion(body: Any, served_model: str) -> ParsedRequest:
+    """Validate a ``/v1/completions`` body (prompt: a string, a one-string list or
+    a list of token ids); raises :class:`RequestError`."""
+    max_tokens, stream, include_usage, salt = _common(body, served_model)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return ParsedRequest(False, prompt, None, max_tokens, stream, include_usage, salt)
+    if (isinstance(prompt, list) and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                    for t in prompt)):
+        return ParsedRequest(False, None, list(prompt), max_tokens, stream, include_usage,
+                             salt)
+    raise RequestError("prompt must be a non-empty string or list of token ids "
+                       "(one prompt per request)", param="prompt")
+
+
+def check_length(num_prompt: int, max_tokens: int | None, max_model_len: int) -> int:
+    """Output length to generate; raises vLLM's context-length errors
+    (``vllm/renderers/params.py``)."""
+    if num_prompt > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"your prompt contains {num_prompt} input tokens, which exceeds this limit "
+            f"even without any output tokens. Please reduce the length of the input "
+            f"prompt.", param="input_tokens")
+    wanted = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if max_tokens is None:
+        wanted = min(wanted, max_model_len - num_prompt)
+    if wanted < 1 or num_prompt + wanted > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"you requested {num_prompt + wanted} tokens ({num_prompt} in the input, "
+            f"{wanted} in the completion). Please reduce the length of the input or "
+            f"the completion.", param="max_tokens")
+    return wanted
+
+
+def output_text(start: int, stop: int) -> str:
+    """Text of output tokens ``start`` … ``stop − 1`` (deterministic)."""
+    return "".join(_OUTPUT_WORDS[i % len(_OUTPUT_WORDS)] for i in range(start, stop))
+
+
+def new_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+            "completion_tokens": completion, "prompt_tokens_details": None}
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON, as pydantic's ``model_dump_json`` writes it."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ResponseShape:
+    """Builds one request's chunks and final body (``id`` and ``created`` fixed)."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat, self.model = chat, model
+        self.id, self.created = new_id(chat), int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def role_chunk(self) -> bytes:
+        return sse({**self._head("chat.completion.chunk"), "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""},
+             "logprobs": None, "finish_reason": None}]})
+
+    def token_chunk(self, text: str, finished: bool) -> bytes:
+        reason = "length" if finished else None
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                      "finish_reason": reason}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            obj = "text_completion"
+        if finished:
+            choice["stop_reason"] = None
+        return sse({**self._head(obj), "choices": [choice]})
+
+    def usage_chunk(self, prompt: int, completion: int) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse({**self._head(obj), "choices": [], "usage": usage(prompt, completion)})
+
+    def full(self, text: str, prompt: int, completion: int) -> bytes:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text,
+                                              "tool_calls": []},
+                      "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
+                      "stop_reason": None}
+            obj = "text_completion"
+        return dumps({**self._head(obj), "choices": [choice],
+                      "usage": usage(prompt, completion)})

@@ -1,0 +1,171 @@
+"""HTTP front of the simulated engine: vLLM's OpenAI-compatible routes over aiohttp.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not),
+``GET /health``, ``GET /v1/models``, ``GET /metrics``. A client that disconnects
+aborts its request at once (the app must be served with
+``handler_cancellation=True``, as :func:`serve` does): it stops counting as running
+and its KV blocks are freed, as vLLM aborts requests whose connection closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from engines.blocks import chain_block_hashes, fallback_tokenize
+from loadtest.sim_engine.engine import SimEngine
+from loadtest.sim_engine.protocol import (
+    SSE_DONE,
+    ParsedRequest,
+    RequestError,
+    ResponseShape,
+    check_length,
+    dumps,
+    output_text,
+    parse_chat,
+    parse_completion,
+)
+from loadtest.sim_engine.scheduler import SimRequest, Status
+
+ENGINE = web.AppKey("sim_engine", SimEngine)
+
+#: Prompts longer than this (characters or token ids) are tokenised and hashed in
+#: a worker thread so the event loop keeps serving streams meanwhile (~8 MB/s).
+INLINE_PROMPT_LIMIT = 16_384
+#: Largest request body, bytes (Mooncake prompts reach ~350 KB of text).
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def create_app(engine: SimEngine) -> web.Application:
+    """The aiohttp app serving ``engine``; its step loop runs in ``cleanup_ctx``."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[ENGINE] = engine
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/metrics", _metrics)
+    app.cleanup_ctx.append(_engine_loop)
+    return app
+
+
+async def serve(engine: SimEngine, host: str, port: int) -> web.AppRunner:
+    """Start serving ``engine`` on ``host:port``; returns the runner (``cleanup()``
+    to stop)."""
+    runner = web.AppRunner(create_app(engine), handler_cancellation=True,
+                           access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+async def _engine_loop(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(app[ENGINE].run())
+    yield
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+def _error(exc: RequestError) -> web.Response:
+    return web.Response(body=dumps(exc.body()), status=exc.status,
+                        content_type="application/json")
+
+
+def _tokens_and_hashes(parsed: ParsedRequest, block_size: int) -> tuple[int, list[int]]:
+    tokens = (parsed.prompt_token_ids if parsed.prompt_token_ids is not None
+              else fallback_tokenize(parsed.prompt_text or ""))
+    return len(tokens), chain_block_hashes(tokens, block_size, parsed.cache_salt)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    try:
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(f"JSON decode error: {exc}") from None
+        parsed = (parse_chat if chat else parse_completion)(body, engine.model_name)
+        size = len(parsed.prompt_token_ids or parsed.prompt_text or "")
+        if size > INLINE_PROMPT_LIMIT:
+            n_prompt, hashes = await asyncio.to_thread(
+                _tokens_and_hashes, parsed, engine.profile.block_size)
+        else:
+            n_prompt, hashes = _tokens_and_hashes(parsed, engine.profile.block_size)
+        max_tokens = check_length(n_prompt, parsed.max_tokens, engine.profile.max_model_len)
+    except RequestError as exc:
+        return _error(exc)
+    shape = ResponseShape(chat, engine.model_name)
+    wake = asyncio.Event()
+    req = SimRequest(shape.id, n_prompt, hashes, max_tokens, notify=wake.set)
+    engine.submit(req)
+    try:
+        if parsed.stream:
+            return await _stream(request, req, wake, shape, parsed.include_usage)
+        while not req.done:
+            await wake.wait()
+            wake.clear()
+        return web.Response(body=shape.full(output_text(0, req.num_output_tokens),
+                                            n_prompt, req.num_output_tokens),
+                            content_type="application/json")
+    finally:
+        engine.abort(req)  # no-op once finished; frees blocks on disconnect/cancel
+
+
+async def _stream(request: web.Request, req: SimRequest, wake: asyncio.Event,
+                  shape: ResponseShape, include_usage: bool) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    sent = 0
+    while True:
+        await wake.wait()
+        wake.clear()
+        produced = req.num_output_tokens
+        if produced > sent:
+            # vLLM sends the chat role chunk with the first engine output.
+            parts = [shape.role_chunk()] if shape.chat and sent == 0 else []
+            last = req.max_tokens if req.status is Status.FINISHED else -1
+            parts += [shape.token_chunk(output_text(i, i + 1), i + 1 == last)
+                      for i in range(sent, produced)]
+            await resp.write(b"".join(parts))
+            sent = produced
+        if req.done:
+            break
+    if req.status is Status.FINISHED:
+        tail = shape.usage_chunk(req.num_prompt_tokens, sent) if include_usage else b""
+        await resp.write(tail + SSE_DONE)
+    await resp.write_eof()
+    return resp
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def _models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    name = engine.model_name
+    return web.Response(body=dumps({"object": "list", "data": [{
+        "id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+        "root": name, "parent": None, "max_model_len": engine.profile.max_model_len,
+    }]}), content_type="application/json")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[ENGINE].metrics.render(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
