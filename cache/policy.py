@@ -1,0 +1,51 @@
+"""What may be cached.
+
+Requests
+    A request is cacheable when it is deterministic — an explicit ``temperature`` of 0
+    or a ``seed`` (vLLM reproduces seeded sampling) — or when the tenant opted in with
+    ``cache.cache_sampled``. An omitted temperature is OpenAI's default 1.0, so it is
+    *not* deterministic. ``n`` > 1 is cached under the same rule: ``n`` is part of the
+    key and the stored response holds all ``n`` choices, replayed as they were.
+
+Responses
+    Only a complete answer is stored: a JSON object without ``error``, with at least one
+    choice, and every choice finished with ``stop`` or ``length``. Aborted or truncated
+    streams, tool calls still being produced (``tool_calls`` finishes are not cached
+    either: they ask the client to act and are cheap to regenerate), content filters
+    and errors are never stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from config.schema import TenantCache
+
+#: ``finish_reason`` values of a complete answer.
+STORABLE_FINISH_REASONS: frozenset[str] = frozenset({"stop", "length"})
+
+
+def is_deterministic(body: dict[str, Any]) -> bool:
+    """True when ``body`` asks for temperature 0 explicitly or carries a ``seed``."""
+    if body.get("seed") is not None:
+        return True
+    t = body.get("temperature")
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and t == 0
+
+
+def request_cacheable(body: dict[str, Any], tenant: TenantCache) -> bool:
+    """Whether the cache may answer or keep this request for this tenant."""
+    return tenant.enabled and (is_deterministic(body) or tenant.cache_sampled)
+
+
+def response_storable(response: dict[str, Any]) -> bool:
+    """Whether ``response`` (a non-streaming OpenAI response body) is complete."""
+    if not isinstance(response, dict) or "error" in response:
+        return False
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return False
+    return all(
+        isinstance(c, dict) and c.get("finish_reason") in STORABLE_FINISH_REASONS
+        for c in choices
+    )

@@ -1,0 +1,141 @@
+"""The response cache as the gateway sees it: :class:`ResponseCache`.
+
+Per request the gateway builds a :class:`CacheRequest` and calls
+:meth:`ResponseCache.lookup` before rate limiting (exact first, then semantic) and
+:meth:`ResponseCache.store` once the complete answer is known. Which requests and
+responses qualify is :mod:`cache.policy`; keys are :mod:`cache.keys`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+
+from cache.embedder import BatchingEmbedder
+from cache.exact import ExactCache
+from cache.keys import EndpointKind, make_key
+from cache.policy import request_cacheable, response_storable
+from cache.semantic import SemanticCache
+from cache.interfaces import ByteStore
+from cache.stores import MemoryByteStore, RedisByteStore
+from config.schema import CacheConfig, TenantCache
+
+
+@dataclass(frozen=True)
+class CacheRequest:
+    """One request as the cache needs it.
+
+    Attributes:
+        namespace: the tenant's cache namespace (``TenantQuota.namespace``).
+        tenant: the tenant's cache settings (``TenantQuota.cache``).
+        endpoint: ``chat`` or ``completions``.
+        model: the model that answers (for :meth:`ResponseCache.store`: the model that
+            actually produced the answer, e.g. after a fallback).
+        body: the JSON body as sent to the engine; never modified.
+        no_cache: ``Cache-Control: no-cache`` — skip the lookup.
+        no_store: ``Cache-Control: no-store`` — do not keep the answer.
+    """
+
+    namespace: str
+    tenant: TenantCache
+    endpoint: EndpointKind
+    model: str
+    body: dict[str, Any]
+    no_cache: bool = False
+    no_store: bool = False
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """A cached answer: ``kind`` is ``exact`` or ``semantic``; ``response`` the stored
+    non-streaming body (render it with :mod:`cache.replay`)."""
+
+    kind: Literal["exact", "semantic"]
+    response: dict[str, Any]
+
+
+class ResponseCache:
+    """Exact + semantic response cache.
+
+    Args:
+        cfg: ``GatewayConfig.cache``.
+        exact: the exact cache (its store decides memory vs Redis).
+        semantic: the semantic cache, or None when ``cfg.semantic.enabled`` is false.
+    """
+
+    def __init__(self, cfg: CacheConfig, exact: ExactCache,
+                 semantic: SemanticCache | None) -> None:
+        self.cfg = cfg
+        self.exact = exact
+        self.semantic = semantic
+
+    def eligible(self, req: CacheRequest) -> bool:
+        """Whether the cache is consulted at all (else the response says ``bypass``)."""
+        return self.cfg.enabled and not req.no_cache and request_cacheable(req.body, req.tenant)
+
+    async def lookup(self, req: CacheRequest) -> CacheHit | None:
+        """The cached answer to ``req``, or None (miss, or not :meth:`eligible`)."""
+        if not self.eligible(req):
+            return None
+        key = make_key(req.namespace, req.endpoint, req.model, req.body)
+        response = await self.exact.get(key.exact)
+        if response is not None:
+            return CacheHit("exact", response)
+        if self.semantic is None or key.scope is None or key.query is None:
+            return None
+        threshold = req.tenant.semantic_threshold or self.cfg.semantic.threshold
+        match = await self.semantic.lookup(key.scope, key.query, threshold)
+        if match is None:
+            return None
+        response = await self.exact.get(match.exact)
+        return None if response is None else CacheHit("semantic", response)
+
+    async def store(self, req: CacheRequest, response: dict[str, Any]) -> bool:
+        """Keep ``response`` (the complete non-streaming body) for ``req`` if the
+        policy allows; returns whether it was stored."""
+        if not (self.cfg.enabled and not req.no_store
+                and request_cacheable(req.body, req.tenant) and response_storable(response)):
+            return False
+        key = make_key(req.namespace, req.endpoint, req.model, req.body)
+        ttl_s = req.tenant.ttl_s or self.cfg.default_ttl_s
+        await self.exact.put(key.exact, response, ttl_s)
+        if self.semantic is not None and key.scope is not None and key.query is not None:
+            await self.semantic.add(key.scope, key.query, key.exact, ttl_s)
+        return True
+
+    async def close(self) -> None:
+        """Close the semantic index thread, the embedder and the store; idempotent."""
+        if self.semantic is not None:
+            await self.semantic.close()
+            await self.semantic.embedder.close()
+        await self.exact.store.close()
+
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def open_cache(cfg: CacheConfig, embedder: BatchingEmbedder | None = None) -> ResponseCache:
+    """Build the :class:`ResponseCache` for ``cfg.store_url``: ``memory://`` (one
+    process, LRU capped at ``cfg.max_bytes``) or ``redis://…`` (shared; the semantic
+    entries go through the same connection). ``embedder`` defaults to
+    :class:`~cache.embedder.MiniLMEmbedder` behind a
+    :class:`~cache.embedder.BatchingEmbedder` (loads the model, ~1 s)."""
+    redis: aioredis.Redis | None = None
+    store: ByteStore
+    if cfg.store_url.startswith("memory://"):
+        store = MemoryByteStore(cfg.max_bytes)
+    elif cfg.store_url.startswith(REDIS_SCHEMES):
+        redis = aioredis.Redis.from_url(cfg.store_url)
+        store = RedisByteStore(redis)
+    else:
+        raise ValueError(f"cache.store_url must be memory:// or redis://, got {cfg.store_url!r}")
+    semantic = None
+    if cfg.semantic.enabled:
+        if embedder is None:
+            from cache.embedder import MiniLMEmbedder
+
+            embedder = BatchingEmbedder(MiniLMEmbedder())
+        semantic = SemanticCache(embedder, cfg.semantic, redis)
+    return ResponseCache(cfg, ExactCache(store, cfg.default_ttl_s), semantic)
