@@ -105,12 +105,13 @@ def test_lru_evicts_only_free_blocks_oldest_first():
     serve(s, req(old, 1))
     serve(s, req(newer, 1))
     assert s.kv.num_cached_blocks == 4
-    held = req(list(range(3000, 3012)), max_tokens=50)  # holds 3-4 blocks
+    held = req(list(range(3000, 3012)), max_tokens=50)  # 3 blocks, then a 4th
     s.add(held)
     s.commit(s.schedule(), 0.0)
     held_blocks = list(held.blocks)
-    # Needs 3 more blocks: 1 never-cached free block, then LRU evicts from "old".
-    fill = req(list(range(4000, 4012)), 1)
+    # Free queue now: [never used, old tail, old head, newer tail, newer head].
+    # held's decode takes the never-used block; fill's 2 blocks evict "old".
+    fill = req(list(range(4000, 4008)), 1)
     s.add(fill)
     s.commit(s.schedule(), 1.0)
     assert all(b.ref_cnt >= 1 for b in held_blocks)  # running blocks never evicted
