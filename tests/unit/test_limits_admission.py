@@ -1,0 +1,216 @@
+"""AdmissionQueue with a fake ``place`` that admits a set number of tickets."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from config.schema import QueueConfig, TenantQuota
+from limits.admission import AdmissionQueue, Ticket
+from limits.clock import MonotonicClock
+from limits.outcome import Outcome, Rejected
+
+
+class Capacity:
+    """``place`` succeeds while ``slots`` > 0; ``undo`` gives the slot back."""
+
+    def __init__(self, slots: int = 0) -> None:
+        self.slots = slots
+        self.placed: list[Ticket] = []
+        self.undone: list[Ticket] = []
+
+    def place(self, ticket: Ticket) -> Ticket | None:
+        if self.slots <= 0:
+            return None
+        self.slots -= 1
+        self.placed.append(ticket)
+        return ticket
+
+    def undo(self, ticket: Ticket) -> None:
+        self.slots += 1
+        self.undone.append(ticket)
+
+
+def make_queue(**cfg: int) -> AdmissionQueue[Ticket]:
+    # a long retry interval: only kick() places, so tests decide when capacity appears
+    return AdmissionQueue("m", QueueConfig(**cfg), MonotonicClock(), retry_interval_s=30)
+
+
+def quota(name: str = "t", **kw: object) -> TenantQuota:
+    return TenantQuota(name=name, **kw)  # type: ignore[arg-type]
+
+
+async def settle_loop() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def start(q: AdmissionQueue[Ticket], cap: Capacity, ticket: Ticket) -> asyncio.Task[Ticket]:
+    return asyncio.ensure_future(q.admit(ticket, cap.place, cap.undo))
+
+
+async def test_fast_path_places_without_suspending() -> None:
+    q, cap = make_queue(), Capacity(1)
+    t = q.ticket(quota(), 100)
+    coro = q.admit(t, cap.place, cap.undo)
+    with pytest.raises(StopIteration) as done:
+        coro.send(None)  # completes on the first step: no await, no task switch
+    assert done.value.value is t and t.queue_wait_s == 0
+
+
+async def test_priority_bands_in_order() -> None:
+    q, cap = make_queue(), Capacity(0)
+    order = ["batch", "standard", "interactive", "batch", "interactive"]
+    tasks = [start(q, cap, q.ticket(quota(f"t{i}", priority=p), 10, request_id=f"{p}{i}"))
+             for i, p in enumerate(order)]
+    await settle_loop()
+    assert q.depth() == {"interactive": 2, "standard": 1, "batch": 2}
+    assert q.tokens_queued == 50
+    for _ in order:
+        cap.slots = 1
+        q.kick()
+        await settle_loop()
+    assert [t.priority for t in cap.placed] == [
+        "interactive", "interactive", "standard", "batch", "batch"]
+    assert [t.request_id for t in cap.placed[:2]] == ["interactive2", "interactive4"]
+    await asyncio.gather(*tasks)
+    assert all(t.queue_wait_s > 0 for t in cap.placed)
+    assert len(q) == 0 and q.tokens_queued == 0
+
+
+async def test_weighted_fair_share_on_tokens() -> None:
+    q, cap = make_queue(max_requests=1200, max_tokens=10**8), Capacity(0)
+    rng = random.Random(7)
+    heavy, light = quota("heavy", weight=3.0), quota("light", weight=1.0)
+    tasks = [start(q, cap, q.ticket(t, rng.randint(50, 3000)))
+             for _ in range(400) for t in (heavy, heavy, light)]
+    await settle_loop()
+    served = {"heavy": 0, "light": 0}
+    while sum(1 for t in cap.placed if t.tenant == "light") < 200:  # both stay backlogged
+        cap.slots = 4  # the engines take 4 requests per kick
+        q.kick()
+        await settle_loop()
+    for t in cap.placed:
+        served[t.tenant] += t.tokens
+    ratio = served["heavy"] / served["light"]
+    assert 2.7 <= ratio <= 3.3, ratio
+    q.close()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_deadline_expiry_is_a_queue_timeout() -> None:
+    q, cap = make_queue(), Capacity(0)
+    t = q.ticket(quota(max_queue_wait_s=10), 10, timeout_s=0.05)  # client header wins
+    with pytest.raises(Rejected) as exc:
+        await q.admit(t, cap.place, cap.undo)
+    assert exc.value.outcome is Outcome.QUEUE_TIMEOUT and exc.value.reason == "queue_timeout"
+    assert isinstance(exc.value.retry_after_s, int) and exc.value.retry_after_s >= 1
+    assert len(q) == 0 and q.tokens_queued == 0
+
+
+async def test_deadline_sources() -> None:
+    q = make_queue(default_max_wait_s=7)
+    now = MonotonicClock().now()
+    assert q.ticket(quota(), 1).deadline == pytest.approx(now + 7, abs=0.5)
+    assert q.ticket(quota(max_queue_wait_s=3), 1).deadline == pytest.approx(now + 3, abs=0.5)
+    assert q.ticket(quota(max_queue_wait_s=3), 1, timeout_s=60).deadline == pytest.approx(
+        now + 3, abs=0.5)
+    assert q.ticket(quota(), 1, timeout_s=1).deadline == pytest.approx(now + 1, abs=0.5)
+
+
+async def test_full_queue_sheds_lowest_priority_newest() -> None:
+    q, cap = make_queue(max_requests=3), Capacity(0)
+    b1 = start(q, cap, q.ticket(quota("a", priority="batch"), 10))
+    b2 = start(q, cap, q.ticket(quota("b", priority="batch"), 10))
+    s1 = start(q, cap, q.ticket(quota("c", priority="standard"), 10))
+    await settle_loop()
+    i1 = start(q, cap, q.ticket(quota("d", priority="interactive"), 10))
+    await settle_loop()
+    assert b2.done() and not b1.done()  # the newest batch ticket made room
+    shed = b2.exception()
+    assert isinstance(shed, Rejected) and shed.outcome is Outcome.OVERLOADED
+    assert shed.reason == "queue_full" and shed.retry_after_s >= 1
+    with pytest.raises(Rejected) as exc:  # incoming batch is itself the newest lowest
+        await q.admit(q.ticket(quota("e", priority="batch"), 10), cap.place, cap.undo)
+    assert exc.value.reason == "queue_full"
+    assert q.depth() == {"interactive": 1, "standard": 1, "batch": 1}
+    q.close()
+    await asyncio.gather(b1, s1, i1, return_exceptions=True)
+
+
+async def test_token_bound_sheds_too() -> None:
+    q, cap = make_queue(max_tokens=1000), Capacity(0)
+    batch = start(q, cap, q.ticket(quota("a", priority="batch"), 600))
+    await settle_loop()
+    urgent = start(q, cap, q.ticket(quota("b", priority="interactive"), 600))
+    await settle_loop()
+    assert isinstance(batch.exception(), Rejected) and q.tokens_queued == 600
+    with pytest.raises(Rejected):  # bigger than the whole queue
+        await q.admit(q.ticket(quota("c", priority="interactive"), 1001), cap.place, cap.undo)
+    q.close()
+    await asyncio.gather(urgent, return_exceptions=True)
+
+
+async def test_cancelled_waiter_leaves_at_once() -> None:
+    q, cap = make_queue(), Capacity(0)
+    task = start(q, cap, q.ticket(quota(), 10))
+    await settle_loop()
+    assert len(q) == 1
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert len(q) == 0 and q.tokens_queued == 0
+    cap.slots = 1
+    q.kick()
+    await settle_loop()
+    assert cap.placed == []
+
+
+async def test_placement_for_a_waiter_cancelled_meanwhile_is_undone() -> None:
+    q, cap = make_queue(), Capacity(0)
+    task = start(q, cap, q.ticket(quota(), 10))
+    await settle_loop()
+    cap.slots = 1
+    q.kick()
+    await asyncio.sleep(0)  # the kick placed it; the waiter has not resumed yet
+    assert len(cap.placed) == 1
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert cap.undone == cap.placed and cap.slots == 1
+
+
+async def test_a_failing_place_fails_only_its_ticket() -> None:
+    q, cap = make_queue(), Capacity(0)
+
+    def broken(t: Ticket) -> Ticket | None:
+        raise RuntimeError("boom")
+
+    blocker = start(q, cap, q.ticket(quota("a"), 10))
+    await settle_loop()
+    bad = asyncio.ensure_future(q.admit(q.ticket(quota("b"), 10), broken, cap.undo))
+    good = start(q, cap, q.ticket(quota("c"), 10))
+    await settle_loop()
+    cap.slots = 2
+    q.kick()
+    await settle_loop()
+    assert isinstance(bad.exception(), RuntimeError)
+    assert {(await blocker).tenant, (await good).tenant} == {"a", "c"}
+
+
+async def test_timer_retries_without_kicks() -> None:
+    q = AdmissionQueue("m", QueueConfig(), MonotonicClock(), retry_interval_s=0.02)
+    cap = Capacity(0)
+    task = start(q, cap, q.ticket(quota(), 10))
+    await settle_loop()
+    cap.slots = 1  # capacity appears without anyone calling kick()
+    assert (await asyncio.wait_for(task, 1)).tenant == "t"
+
+
+async def test_retry_after_follows_the_drain_rate() -> None:
+    q, cap = make_queue(), Capacity(10_000)
+    assert q.retry_after_s() == 30  # nothing drained yet: the default wait
+    for i in range(200):  # 200 admissions at once: a fast drain
+        await q.admit(q.ticket(quota(), 1), cap.place, cap.undo)
+    assert q.retry_after_s() == 1
+    assert isinstance(q.retry_after_s(), int)
