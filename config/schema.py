@@ -270,11 +270,29 @@ class SupervisorConfig(_Strict):
     stop_grace_s: float = Field(10.0, ge=0)
 
 
+class SaturationConfig(_Strict):
+    """When an engine is saturated for admission (``limits.saturation``): KV-cache
+    usage at or above ``kv_watermark`` (``batch_kv_watermark`` for batch, keeping
+    headroom for online traffic), more than ``max_waiting`` requests waiting inside
+    the engine, or metrics older than ``supervisor.metrics_stale_s``."""
+
+    kv_watermark: float = Field(0.9, gt=0, le=1, description="KV usage fraction 0-1")
+    batch_kv_watermark: float = Field(0.8, gt=0, le=1, description="KV usage fraction 0-1")
+    max_waiting: int = Field(4, ge=0, description="requests waiting in the engine")
+
+    @model_validator(mode="after")
+    def _order(self) -> SaturationConfig:
+        if self.batch_kv_watermark > self.kv_watermark:
+            raise ValueError("batch_kv_watermark must not exceed kv_watermark")
+        return self
+
+
 class EnginesConfig(_Strict):
     engines: list[EngineSpec] = Field(default_factory=list)
     models: list[ModelConfig] = Field(default_factory=list)
     scheduler: SchedulerConfig = SchedulerConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
+    saturation: SaturationConfig = SaturationConfig()
 
     @model_validator(mode="after")
     def _unique(self) -> EnginesConfig:
