@@ -104,6 +104,11 @@ class SemanticCache:
         """Entries held in memory over all scopes."""
         return self._entries
 
+    @property
+    def scopes(self) -> int:
+        """Scopes held in memory."""
+        return len(self._scopes)
+
     def _stream(self, scope: str) -> str:
         return f"{STREAM_PREFIX}{self.embedder.name}:{scope}"
 
