@@ -1,0 +1,82 @@
+"""Whether an engine may take one more request now, judged from its metrics and the
+KV blocks already promised to requests in flight.
+
+An engine admits a request of ``tokens`` (prompt estimate + max output) for a
+priority when all hold:
+
+1. its metrics are fresh: scraped at most ``stale_s`` ago (missing or stale metrics
+   count as saturated, so a hung scraper never hides an overloaded engine);
+2. it reports KV-cache usage, and the usage is under the watermark: ``watermark`` for
+   interactive and standard, ``batch_watermark`` for batch;
+3. at most ``max_waiting`` requests wait inside the engine (a growing engine queue
+   means its scheduler has no room; the gateway's queue orders them better);
+4. when block size and count are known, the request's blocks
+   ``ceil(tokens / block_size)`` fit ``num_blocks × (ceiling − usage) −
+   promised_blocks``, where the ceiling is 1.0, or ``batch_watermark`` for batch.
+
+The lower batch watermark keeps headroom (default 20 % of the KV cache) for online
+traffic, so a batch flood cannot fill the cache and force preemption of interactive
+requests — the practice of reserving KV headroom for high-priority requests in
+Llumnix (Sun et al., "Llumnix: Dynamic Scheduling for Large Language Model
+Serving", OSDI 2024), and the same idea as the free-block watermark vLLM's block
+manager keeps to avoid preemption. ``promised_blocks`` double-counts blocks an
+in-flight request has already filled (they are in ``usage`` too): the check errs on
+the safe side.
+"""
+
+from __future__ import annotations
+
+import math
+
+from config.schema import EnginesConfig, Priority
+from limits.interfaces import EngineLoad
+
+
+def kv_blocks(tokens: int, block_size: int | None) -> int:
+    """KV blocks a request of ``tokens`` tokens may fill: ``ceil(tokens / block_size)``;
+    0 when the block size is unknown."""
+    return math.ceil(tokens / block_size) if block_size else 0
+
+
+class SaturationDetector:
+    """The saturation rules above.
+
+    Args:
+        watermark: KV usage fraction (0–1) from which an engine takes no more
+            interactive or standard requests (default 0.9).
+        batch_watermark: the same for batch requests (default 0.8).
+        max_waiting: most requests waiting inside the engine (default 4).
+        stale_s: oldest usable metrics, s (default 5).
+    """
+
+    def __init__(self, watermark: float = 0.9, batch_watermark: float = 0.8,
+                 max_waiting: int = 4, stale_s: float = 5.0) -> None:
+        self.watermark = watermark
+        self.batch_watermark = batch_watermark
+        self.max_waiting = max_waiting
+        self.stale_s = stale_s
+
+    @classmethod
+    def from_config(cls, engines: EnginesConfig) -> SaturationDetector:
+        """From ``engines.yaml``: the ``saturation`` section and
+        ``supervisor.metrics_stale_s``."""
+        s = engines.saturation
+        return cls(s.kv_watermark, s.batch_kv_watermark, s.max_waiting,
+                   engines.supervisor.metrics_stale_s)
+
+    def admits(self, load: EngineLoad, priority: Priority, tokens: int, now: float) -> bool:
+        """Whether ``load``'s engine may take a ``priority`` request of ``tokens``
+        tokens (prompt + max output) at clock time ``now`` (s, the metrics' clock)."""
+        usage = load.kv_cache_usage
+        if load.metrics_at is None or now - load.metrics_at > self.stale_s or usage is None:
+            return False
+        if load.num_waiting > self.max_waiting:
+            return False
+        batch = priority == "batch"
+        if usage >= (self.batch_watermark if batch else self.watermark):
+            return False
+        if load.block_size and load.num_blocks:
+            ceiling = self.batch_watermark if batch else 1.0
+            free = math.floor(load.num_blocks * (ceiling - usage)) - load.promised_blocks
+            return kv_blocks(tokens, load.block_size) <= free
+        return True

@@ -1,0 +1,78 @@
+"""SaturationDetector: one test per rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from config.schema import EnginesConfig
+from limits.saturation import SaturationDetector, kv_blocks
+
+
+@dataclass(frozen=True)
+class Load:
+    kv_cache_usage: float | None = 0.5
+    num_waiting: int = 0
+    block_size: int | None = 16
+    num_blocks: int | None = 1000
+    promised_blocks: int = 0
+    metrics_at: float | None = 100.0
+
+
+NOW = 101.0
+detector = SaturationDetector(watermark=0.9, batch_watermark=0.8, max_waiting=4, stale_s=5)
+
+
+def test_idle_engine_admits() -> None:
+    assert detector.admits(Load(), "interactive", 100, NOW)
+
+
+def test_missing_or_stale_metrics_count_as_saturated() -> None:
+    assert not detector.admits(Load(metrics_at=None), "interactive", 1, NOW)
+    assert not detector.admits(Load(metrics_at=NOW - 5.01), "interactive", 1, NOW)
+    assert detector.admits(Load(metrics_at=NOW - 5), "interactive", 1, NOW)
+    assert not detector.admits(Load(kv_cache_usage=None), "interactive", 1, NOW)
+
+
+def test_kv_watermark() -> None:
+    assert detector.admits(Load(kv_cache_usage=0.89), "standard", 1, NOW)
+    assert not detector.admits(Load(kv_cache_usage=0.9), "standard", 1, NOW)
+    assert not detector.admits(Load(kv_cache_usage=0.9), "interactive", 1, NOW)
+
+
+def test_batch_only_under_the_lower_watermark() -> None:
+    assert detector.admits(Load(kv_cache_usage=0.79), "batch", 1, NOW)
+    assert not detector.admits(Load(kv_cache_usage=0.8), "batch", 1, NOW)
+    assert detector.admits(Load(kv_cache_usage=0.85), "interactive", 1, NOW)
+
+
+def test_waiting_requests_threshold() -> None:
+    assert detector.admits(Load(num_waiting=4), "interactive", 1, NOW)
+    assert not detector.admits(Load(num_waiting=5), "interactive", 1, NOW)
+
+
+def test_blocks_must_fit_free_minus_promised() -> None:
+    assert kv_blocks(1600, 16) == 100 and kv_blocks(1601, 16) == 101
+    assert kv_blocks(1000, None) == 0
+    # 1000 blocks at 50 % usage: 500 free, 400 promised → 100 left
+    load = Load(promised_blocks=400)
+    assert detector.admits(load, "interactive", 1600, NOW)
+    assert not detector.admits(load, "interactive", 1601, NOW)
+    # batch counts only up to its watermark: 1000 × (0.8 − 0.5) − 200 = 100
+    load = Load(promised_blocks=200)
+    assert detector.admits(load, "batch", 1600, NOW)
+    assert not detector.admits(load, "batch", 1601, NOW)
+
+
+def test_unknown_cache_geometry_skips_the_block_budget() -> None:
+    load = Load(block_size=None, num_blocks=None, promised_blocks=10**6)
+    assert detector.admits(load, "interactive", 10**6, NOW)
+
+
+def test_from_config() -> None:
+    cfg = EnginesConfig.model_validate({
+        "saturation": {"kv_watermark": 0.95, "batch_kv_watermark": 0.7, "max_waiting": 0},
+        "supervisor": {"metrics_stale_s": 2},
+    })
+    d = SaturationDetector.from_config(cfg)
+    assert (d.watermark, d.batch_watermark, d.max_waiting, d.stale_s) == (0.95, 0.7, 0, 2)
+    assert not d.admits(replace(Load(), num_waiting=1), "interactive", 1, NOW)
