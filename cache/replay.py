@@ -1,8 +1,8 @@
 """Render a cached response for the client, as JSON or as an OpenAI SSE stream.
 
-Whichever way the answer was first produced (streamed, then assembled by
-:class:`cache.assemble.StreamAssembler`, or plain JSON), a hit is rendered from the
-stored non-streaming body:
+Whichever way the answer was first produced (plain JSON, or streamed and reassembled
+into a non-streaming body by the gateway's ``StreamSummary.to_response``), a hit is
+rendered from the stored non-streaming body:
 
 * a fresh ``id`` and ``created`` (a replay is a new response), ``model`` = the model
   the client requested;

@@ -1,14 +1,15 @@
 """Semantic cache: the last user turn compared by meaning, inside an exact scope.
 
 Lookup (``scope``, ``query``, ``threshold``):
-    1. embed ``query`` (:class:`~cache.embedder.BatchingEmbedder`, worker thread);
-    2. with a shared store, catch the scope up with entries other replicas (or this
-       one) appended to Redis since the last read (see *Sharing*);
+    1. with a shared store, catch the scope up with entries other replicas (or this
+       one) appended to Redis since the last read (see *Sharing*); an empty scope is
+       a miss right here, without embedding;
+    2. embed ``query`` (:class:`~cache.embedder.BatchingEmbedder`, worker thread);
     3. search the scope's :class:`~cache.index.VectorIndex` for the ``k`` nearest
        stored questions and return the best one whose cosine similarity is
        ≥ ``threshold`` **and** that :func:`cache.guards.compatible` accepts.
 
-    Steps 2's index update and 3 run on one dedicated index thread that owns every
+    Step 1's index update and step 3 run on one dedicated index thread that owns every
     index (faiss is not used concurrently, the event loop never blocks on it).
 
 The match names the stored answer by its exact key; the response itself lives in the
@@ -117,6 +118,7 @@ class SemanticCache:
         if state is None:
             state = _Scope(VectorIndex(self.embedder.dim, self.cfg.max_entries_per_scope))
             self._scopes[scope] = state
+            self._evict()
         self._scopes.move_to_end(scope)
         return state
 
@@ -171,18 +173,22 @@ class SemanticCache:
 
     async def lookup(self, scope: str, query: str, threshold: float) -> Match | None:
         """The best stored question in ``scope`` at cosine ≥ ``threshold`` that the
-        guards accept, or None."""
+        guards accept, or None. A scope with no entries answers without embedding
+        (most multi-turn scopes are unique)."""
         t0 = time.perf_counter()
-        vector = await self.embedder.embed(query)
-        t1 = time.perf_counter()
-        state = self._scope(scope)
         if self.redis is not None:
+            state = self._scope(scope)
             await self._sync(scope, state)
+        elif (state := self._scopes.get(scope)) is not None:
+            self._scopes.move_to_end(scope)
+        t1 = time.perf_counter()
+        self.timings_ms = {"sync": (t1 - t0) * 1e3, "embed": 0.0, "search": 0.0}
+        if state is None or len(state.index) == 0:
+            return None
+        vector = await self.embedder.embed(query)
         t2 = time.perf_counter()
         match = await self._run(self._best, state.index, vector, query, threshold)
-        t3 = time.perf_counter()
-        self.timings_ms = {"embed": (t1 - t0) * 1e3, "sync": (t2 - t1) * 1e3,
-                           "search": (t3 - t2) * 1e3}
+        self.timings_ms.update(embed=(t2 - t1) * 1e3, search=(time.perf_counter() - t2) * 1e3)
         return match
 
     async def preload(self, scope: str, vectors: np.ndarray, queries: Sequence[str],

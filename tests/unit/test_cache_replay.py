@@ -1,10 +1,9 @@
-"""Replaying a cached response as SSE and JSON; assembling a streamed answer."""
+"""Replaying a cached response as SSE and as JSON."""
 
 from __future__ import annotations
 
 import json
 
-from cache.assemble import StreamAssembler
 from cache.replay import as_json, as_sse
 
 CHAT = {
@@ -31,15 +30,19 @@ def parse_sse(frames: list[bytes]) -> tuple[list[dict], bool]:
 
 
 def reassemble(endpoint: str, frames: list[bytes]) -> dict:
+    """Rebuild choices and usage from replayed frames, as a streaming client would."""
     chunks, done = parse_sse(frames)
-    asm = StreamAssembler(endpoint)
+    assert done
+    choices: dict[int, dict] = {}
+    usage = None
     for c in chunks:
-        asm.feed(c)
-    if done:
-        asm.done()
-    result = asm.result()
-    assert result is not None
-    return result
+        usage = c.get("usage") or usage
+        for part in c["choices"]:
+            choice = choices.setdefault(part["index"], {"text": "", "finish_reason": None})
+            choice["text"] += (part["delta"].get("content") or "") if endpoint == "chat" \
+                else part["text"]
+            choice["finish_reason"] = part["finish_reason"] or choice["finish_reason"]
+    return {"choices": [choices[i] for i in sorted(choices)], "usage": usage}
 
 
 def test_chat_sse_replay_parses_back_to_the_same_answer_with_cached_usage():
@@ -56,8 +59,7 @@ def test_chat_sse_replay_parses_back_to_the_same_answer_with_cached_usage():
     assert usage["prompt_tokens_details"]["cached_tokens"] == 12
     assert all(c["usage"] is None for c in chunks[:-1])
     body = reassemble("chat", frames)
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Paris."}
-    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"] == [{"text": "Paris.", "finish_reason": "stop"}]
     assert body["usage"] == usage
 
 
@@ -82,39 +84,3 @@ def test_json_replay_renames_model_and_marks_usage_without_touching_the_stored_d
     assert out["choices"] == CHAT["choices"]
     assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 12}
     assert "prompt_tokens_details" not in CHAT["usage"]
-
-
-def test_a_streamed_answer_assembles_to_a_storable_body_and_replays_as_json():
-    stream = [
-        {"id": "c1", "created": 5, "model": "m",
-         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-        {"id": "c1", "choices": [{"index": 0, "delta": {"content": "Hel"}}]},
-        {"id": "c1", "choices": [{"index": 0, "delta": {"content": "lo"},
-                                  "finish_reason": "stop"}]},
-        {"id": "c1", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2,
-                                              "total_tokens": 6}},
-    ]
-    asm = StreamAssembler("chat")
-    for c in stream:
-        asm.feed(c)
-    assert asm.result() is None  # no [DONE] yet: an aborted stream is never stored
-    asm.done()
-    body = asm.result()
-    assert body == {"id": "c1", "created": 5, "model": "m", "object": "chat.completion",
-                    "choices": [{"index": 0, "message": {"role": "assistant",
-                                                        "content": "Hello"},
-                                 "logprobs": None, "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}
-    assert as_json(body, "chat", "m")["choices"] == body["choices"]
-
-
-def test_truncated_or_failed_streams_do_not_assemble():
-    cut = StreamAssembler("chat")
-    cut.feed({"choices": [{"index": 0, "delta": {"content": "Hel"}}]})
-    cut.done()
-    assert cut.result() is None  # no finish_reason
-    failed = StreamAssembler("completions")
-    failed.feed({"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}]})
-    failed.feed({"error": {"message": "engine died"}})
-    failed.done()
-    assert failed.result() is None
