@@ -179,7 +179,7 @@ class AdmissionQueue(Generic[P]):
 
     def depth(self) -> dict[Priority, int]:
         """Tickets waiting per priority band."""
-        return {p: len(a) for p, a in zip(PRIORITIES, self._arrivals)}
+        return {p: len(a) for p, a in zip(PRIORITIES, self._arrivals, strict=True)}
 
     @property
     def tokens_queued(self) -> int:

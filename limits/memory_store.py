@@ -60,7 +60,7 @@ class MemoryStore:
         if waits and max(waits) > EPSILON_S:
             worst = max(range(len(waits)), key=waits.__getitem__)
             return TakeResult(False, waits[worst], worst)
-        for bucket, (new_tat, _) in zip(buckets, steps):
+        for bucket, (new_tat, _) in zip(buckets, steps, strict=True):
             self._store(bucket.key, new_tat, now)
         return TakeResult(True)
 

@@ -18,6 +18,7 @@ reservation (charged on settle as debt that delays the tenant's next requests).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from types import TracebackType
 
@@ -109,10 +110,9 @@ class Reservation:
 
     async def _renew_once(self) -> None:
         assert self._lease is not None
-        try:
+        # store down: the lease expires there and is released locally anyway
+        with contextlib.suppress(Rejected, StoreUnavailable):
             await self._store.acquire(*self._lease)
-        except (Rejected, StoreUnavailable):
-            pass  # the store is down; the lease expires there and is released locally
 
 
 class RateLimiter:

@@ -210,7 +210,7 @@ async def test_timer_retries_without_kicks() -> None:
 async def test_retry_after_follows_the_drain_rate() -> None:
     q, cap = make_queue(), Capacity(10_000)
     assert q.retry_after_s() == 30  # nothing drained yet: the default wait
-    for i in range(200):  # 200 admissions at once: a fast drain
+    for _ in range(200):  # 200 admissions at once: a fast drain
         await q.admit(q.ticket(quota(), 1), cap.place, cap.undo)
     assert q.retry_after_s() == 1
     assert isinstance(q.retry_after_s(), int)
