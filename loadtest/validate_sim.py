@@ -1,0 +1,210 @@
+"""``python -m loadtest validate-sim --real URL --sim-profile NAME``: run the same
+probes against a real vLLM engine and a simulated one and print them side by side.
+
+Probes (completions with token-id prompts, so both engines see exactly the same
+number of prompt tokens whatever their tokenizer; ``ignore_eos`` so the real engine
+generates exactly ``max_tokens``):
+
+* TTFT vs prompt length: one streaming request at a time, a fresh random prompt per
+  repetition (no prefix hits), median over ``--reps``.
+* TPOT and throughput vs concurrency: ``c`` concurrent streams of
+  ``--output-tokens``; median per-request TPOT, aggregate output tok/s.
+* Prefix cache: the same ``--prefix-len``-token prompt twice; the change in
+  ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` and the
+  second TTFT.
+
+Output: a table (metric, real, sim, relative error = sim / real − 1) and, with
+``--json PATH``, the same rows as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+#: Token ids for random prompts: inside any modern vocabulary, above special tokens.
+_TOKEN_RANGE = (1000, 30000)
+
+
+@dataclass
+class Row:
+    metric: str
+    unit: str
+    real: float | None
+    sim: float | None
+
+    @property
+    def rel_err(self) -> float | None:
+        if self.real in (None, 0) or self.sim is None:
+            return None
+        return self.sim / self.real - 1
+
+
+async def _model(session: aiohttp.ClientSession, base: str) -> str:
+    async with session.get(f"{base}/v1/models") as r:
+        return (await r.json())["data"][0]["id"]
+
+
+async def _stream(session: aiohttp.ClientSession, base: str, model: str,
+                  prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+    """Send one streaming completion; returns (TTFT s, token arrival times s)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    t0 = time.perf_counter()
+    times: list[float] = []
+    async with session.post(f"{base}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0].get("text"):
+                    times.append(time.perf_counter() - t0)
+    if not times:
+        raise RuntimeError(f"{base}: stream produced no tokens")
+    return times[0], times
+
+
+async def _counters(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
+    async with session.get(f"{base}/metrics") as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*_TOKEN_RANGE) for _ in range(n)]
+
+
+async def probe(base: str, args: argparse.Namespace) -> dict[str, float]:
+    """All probes against one engine; returns metric → value."""
+    rng = random.Random(args.seed)
+    out: dict[str, float] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        model = args.model or await _model(s, base)
+        await _stream(s, base, model, _prompt(rng, 8), 2)  # warm-up
+        for n in args.prompt_lens:
+            ttfts = [(await _stream(s, base, model, _prompt(rng, n), 2))[0]
+                     for _ in range(args.reps)]
+            out[f"ttft_ms@prompt={n}"] = 1000 * statistics.median(ttfts)
+        for c in args.concurrency:
+            t0 = time.perf_counter()
+            runs = await asyncio.gather(*(_stream(s, base, model, _prompt(rng, 32),
+                                                  args.output_tokens) for _ in range(c)))
+            wall = time.perf_counter() - t0
+            tpots = [(t[-1] - t[0]) / (len(t) - 1) for _, t in runs if len(t) > 1]
+            out[f"tpot_ms@c={c}"] = 1000 * statistics.median(tpots)
+            out[f"throughput_tok_s@c={c}"] = sum(len(t) for _, t in runs) / wall
+        prompt = _prompt(rng, args.prefix_len)
+        before = await _counters(s, base)
+        first, _ = await _stream(s, base, model, prompt, 2)
+        second, _ = await _stream(s, base, model, prompt, 2)
+        after = await _counters(s, base)
+        for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+            out[f"{name.split(':')[1].removesuffix('_total')}_delta"] = (
+                after.get(name, 0.0) - before.get(name, 0.0))
+        out["ttft_ms@prefix_first"] = 1000 * first
+        out["ttft_ms@prefix_second"] = 1000 * second
+    return out
+
+
+async def _wait_healthy(base: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        while True:
+            try:
+                async with s.get(f"{base}/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{base} not healthy after {timeout_s} s")
+            await asyncio.sleep(0.2)
+
+
+def _unit(metric: str) -> str:
+    return ("ms" if "_ms" in metric else "tok/s" if "tok_s" in metric else "tokens")
+
+
+async def _run(args: argparse.Namespace) -> list[Row]:
+    proc = None
+    sim_url = args.sim
+    if sim_url is None:
+        with socket.socket() as sock:  # a free loopback port
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        async with aiohttp.ClientSession() as s:
+            model = args.model or await _model(s, args.real)
+        proc = subprocess.Popen([sys.executable, "-m", "loadtest.sim_engine", "--port",
+                                 str(port), "--model", model, "--profile", args.sim_profile,
+                                 "--speed", str(args.speed)])
+        sim_url = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_healthy(sim_url)
+        real = await probe(args.real, args)
+        sim = await probe(sim_url, args)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+    # Simulated latencies at --speed s run s times faster than the device they model.
+    scale = {k: (v * args.speed if "_ms" in k else v / args.speed if "tok_s" in k else v)
+             for k, v in sim.items()}
+    return [Row(k, _unit(k), real.get(k), scale.get(k)) for k in real]
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [f"{'metric':34} {'unit':7} {'real':>10} {'sim':>10} {'rel.err':>8}"]
+    for r in rows:
+        err = "" if r.rel_err is None else f"{r.rel_err:+.1%}"
+        fmt = lambda v: "-" if v is None else f"{v:10.1f}"  # noqa: E731
+        lines.append(f"{r.metric:34} {r.unit:7} {fmt(r.real)} {fmt(r.sim)} {err:>8}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtest validate-sim",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--real", required=True, help="base URL of the real engine")
+    p.add_argument("--sim", help="base URL of a running simulated engine")
+    p.add_argument("--sim-profile", default="cpu-gemma3-270m",
+                   help="profile of the simulated engine to start when --sim is absent")
+    p.add_argument("--speed", type=float, default=1.0, help="speed of the started sim")
+    p.add_argument("--model", help="model name (default: the real engine's first)")
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--prompt-lens", type=ints, default=[16, 128, 372, 1024])
+    p.add_argument("--concurrency", type=ints, default=[1, 4, 8, 16])
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--prefix-len", type=int, default=372)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the rows here as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    rows = asyncio.run(_run(args))
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"real": args.real, "sim": args.sim or args.sim_profile,
+                       "speed": args.speed,
+                       "rows": [{**asdict(r), "rel_err": r.rel_err} for r in rows]},
+                      f, indent=2)
+    return 0
