@@ -8,6 +8,8 @@ engine; 503 otherwise).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,9 +26,11 @@ from gateway.director import Director
 from gateway.keys import CONFIG, POOL, SESSION, TENANT, TENANTS
 from gateway.middlewares import auth_middleware, errors_middleware
 from gateway.proxy import EngineClient
+from gateway.reload import TenantReloader
 
 DIRECTOR = web.AppKey("director", Director)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
+RELOADER = web.AppKey("reloader", TenantReloader | None)
 STARTED = int(time.time())
 
 
@@ -93,7 +97,18 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None) -> web.Appli
             await supervisor.stop(cfg.gateway.drain_grace_s)
             await session.close()
 
+    async def reload_ctx(app: web.Application) -> AsyncIterator[None]:
+        path = cfg.paths.get("tenants")
+        app[RELOADER] = TenantReloader(Path(path), app[TENANTS]) if path else None
+        task = asyncio.create_task(app[RELOADER].run()) if path else None
+        yield
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
     app.cleanup_ctx.append(engines_ctx)
+    app.cleanup_ctx.append(reload_ctx)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)

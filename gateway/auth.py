@@ -53,10 +53,13 @@ class TenantDirectory:
     """
 
     def __init__(self, cfg: TenantsConfig) -> None:
-        self.cfg = cfg
-        self._digests: list[tuple[bytes, TenantQuota]] = [
-            (h.encode(), t) for t in cfg.tenants for h in t.api_key_hashes
-        ]
+        self.replace(cfg)
+
+    def replace(self, cfg: TenantsConfig) -> None:
+        """Swap in a new configuration (reload); lookups see either the old or the
+        new one, never a mix."""
+        digests = [(h.encode(), t) for t in cfg.tenants for h in t.api_key_hashes]
+        self.cfg, self._digests = cfg, digests
 
     def by_name(self, name: str) -> TenantQuota | None:
         if name == self.cfg.anonymous.name:

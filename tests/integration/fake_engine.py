@@ -10,7 +10,7 @@ received. ``mode`` selects a behaviour for the next requests:
   characters are cut between writes.
 * ``die_mid_stream``: two chunks, then the connection is dropped.
 * ``slow_first``: waits ``delay_s`` before the first chunk (or the JSON answer).
-* ``stall``: one chunk, then waits ``delay_s`` before the next.
+* ``stall``: two chunks (role, first word), then waits ``delay_s`` before the next.
 * ``error500``: answers HTTP 500.
 """
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 
 @dataclass
@@ -33,7 +34,7 @@ class FakeEngine:
     delay_s: float = 0.0
     running: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
-    headers: list[dict[str, str]] = field(default_factory=list)
+    headers: list[CIMultiDict[str]] = field(default_factory=list)
     aborted: int = 0
     runner: web.AppRunner | None = None
     port: int = 0
@@ -43,7 +44,7 @@ class FakeEngine:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self, port: int = 0) -> FakeEngine:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024 * 1024)  # vLLM has no 1 MiB cap
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
@@ -90,7 +91,7 @@ class FakeEngine:
     async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
-        self.headers.append(dict(request.headers))
+        self.headers.append(request.headers.copy())
         if self.mode == "error500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
         self.running += 1
@@ -107,10 +108,9 @@ class FakeEngine:
             self.running -= 1
 
     def _words(self, body: dict[str, Any]) -> list[str]:
-        words = [w + " " for w in self.reply.split(" ")]
-        words[-1] = words[-1].rstrip()
         cap = body.get("max_completion_tokens") or body.get("max_tokens")
-        return words[:cap] if cap else words
+        words = self.reply.split(" ")[:cap]
+        return [w + " " for w in words[:-1]] + words[-1:]
 
     def _usage(self, body: dict[str, Any]) -> dict[str, int]:
         n = len(self._words(body))
@@ -155,7 +155,7 @@ class FakeEngine:
                 assert request.transport is not None
                 request.transport.abort()
                 return resp
-            if self.mode == "stall" and i == 1:
+            if self.mode == "stall" and i == 2:
                 await asyncio.sleep(self.delay_s)
             if self.mode == "split_utf8":
                 for j in range(0, len(chunk), 3):
