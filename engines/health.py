@@ -7,7 +7,6 @@ busy engine that misses probes still working?) and :func:`backoff_delay`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import aiohttp
@@ -16,7 +15,7 @@ from engines.pool import MetricsSnapshot
 
 log = logging.getLogger(__name__)
 
-_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ValueError)
+_ERRORS = (aiohttp.ClientError, TimeoutError, ValueError)
 
 
 async def probe_ready(

@@ -163,7 +163,7 @@ class MetricsPoller:
                     return None
                 text = await resp.text()
             snapshot = parse_metrics(text, self.clock())
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             log.debug("metrics %s: %r", url, e)
             return None
         self.pool.set_metrics(self.engine, snapshot)

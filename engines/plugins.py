@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from config.schema import PluginConfig
-from engines.interfaces import Filter, Picker, Scorer, SchedRequest
+from engines.interfaces import Filter, Picker, SchedRequest, Scorer
 from engines.pool import Engine
 
 

@@ -140,7 +140,7 @@ class EngineProcess:
         self._signal_group(signal.SIGTERM)
         try:
             return await asyncio.wait_for(self.wait(), grace_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("pid %d ignored SIGTERM for %.1fs; SIGKILL", self._proc.pid, grace_s)
             self._signal_group(signal.SIGKILL)
             return await self.wait()

@@ -6,9 +6,10 @@
 * ``starting`` — launched, no traffic. Probed (``/health`` + ``/v1/models``) every
   ``probe_interval_s``; ``ready`` on the first success. Not ready within
   ``startup_grace_s`` → restart.
-* ``ready`` — probed every ``probe_interval_s``; when the engine has had nothing in
-  flight from this gateway for ``inference_probe_idle_s``, the probe is a 1-token
-  completion instead. A failed probe does not count while the metrics show the
+* ``ready`` — probed every ``probe_interval_s``; when no probe has seen a request
+  of this gateway in flight on it for ``inference_probe_idle_s``, the probe is a
+  1-token completion instead (then again every ``inference_probe_idle_s`` while
+  idle). A failed probe does not count while the metrics show the
   engine busy and making progress (:func:`~engines.health.made_progress`).
   ``failure_threshold`` consecutive failures → ``unhealthy``.
 * ``unhealthy`` — no traffic, still probed: a success returns it to ``ready``;

@@ -77,12 +77,12 @@ class Scheduler:
             if not candidates:
                 candidates = healthy
                 break
-        per_scorer = [s.score(req, candidates, now) for _, _, s in self.scorers]
-        totals = [
-            sum(w * values[i] for (_, w, _), values in zip(self.scorers, per_scorer))
-            for i in range(len(candidates))
+        rated = [
+            (name, weight, scorer.score(req, candidates, now))
+            for name, weight, scorer in self.scorers
         ]
+        totals = [sum(w * values[i] for _, w, values in rated) for i in range(len(candidates))]
         i = self.picker.pick(candidates, totals)
-        scores = {name: values[i] for (name, _, _), values in zip(self.scorers, per_scorer)}
+        scores = {name: values[i] for name, _, values in rated}
         scores["total"] = totals[i]
         return Decision(engine=candidates[i], scores=scores)

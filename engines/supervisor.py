@@ -17,7 +17,7 @@ from pathlib import Path
 
 import aiohttp
 
-from config.schema import EngineSpec, EnginesConfig
+from config.schema import EnginesConfig, EngineSpec
 from engines.metrics import MetricsPoller
 from engines.pool import Engine, EnginePool, EngineState
 from engines.process import DEFAULT_COMMANDS, CommandBuilder, choose_port
@@ -105,10 +105,14 @@ class Supervisor:
 
         Raises:
             RuntimeError: called twice.
-            KeyError: a spec's ``kind`` has no command builder.
+            ValueError: a launched spec's ``kind`` has no command builder (nothing is
+                added to the pool then).
         """
         if self.runners:
             raise RuntimeError("supervisor already started")
+        unknown = {s.kind for s in self.cfg.engines if s.kind != "external"} - set(self.commands)
+        if unknown:
+            raise ValueError(f"no command to launch engine kind(s) {sorted(unknown)}")
         run_dir = self.run_dir or Path(
             os.environ.get("SLUICE_RUN_DIR") or tempfile.mkdtemp(prefix="sluice-run-")
         )
@@ -188,6 +192,6 @@ async def _cancel(tasks: list[asyncio.Task]) -> None:
     for task in tasks:
         task.cancel()
     results = await asyncio.gather(*tasks, return_exceptions=True)
-    for task, result in zip(tasks, results):
+    for task, result in zip(tasks, results, strict=True):
         if isinstance(result, Exception):
             log.error("task %s failed: %r", task.get_name(), result)

@@ -15,8 +15,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from config.schema import EngineSpec, EnginesConfig
-from engines.pool import Engine, EnginePool, EngineState
+from config.schema import EnginesConfig, EngineSpec
+from engines.metrics import MetricsPoller
+from engines.pool import Engine, EnginePool, EngineState, MetricsSnapshot
 from engines.supervisor import Supervisor, wait_for
 from tests.conftest import free_port
 
@@ -148,9 +149,9 @@ async def test_backoff_grows_and_max_restarts_is_honoured(make: Any) -> None:
     assert engine.restarts == 3 and engine.generation == 3
     restarting = [t for t, s in rec.states if s is EngineState.RESTARTING]
     relaunch = [t for t, s in rec.states[1:] if s is EngineState.STARTING]
-    waits = [b - a for a, b in zip(restarting, relaunch)]
-    assert len(waits) == 3
-    for got, want in zip(waits, [0.2, 0.4, 0.8]):
+    assert len(restarting) == len(relaunch) == 3
+    waits = [b - a for a, b in zip(restarting, relaunch, strict=True)]
+    for got, want in zip(waits, [0.2, 0.4, 0.8], strict=True):
         assert want - 0.02 <= got < want + 0.5
     assert not await sup.wait_ready(1)
     await sup.stop(grace_s=1)
@@ -295,3 +296,23 @@ async def test_only_its_own_process_groups_are_signalled(
         monkeypatch.undo()
         foreign.kill()
         foreign.wait()
+
+
+async def test_kind_without_command_is_rejected_before_anything_starts(
+    session: aiohttp.ClientSession,
+) -> None:
+    pool = EnginePool()
+    sup = Supervisor(config({"name": "a"}), pool, session, commands={})
+    with pytest.raises(ValueError, match="sim"):
+        await sup.start()
+    assert pool.engines == []
+
+
+async def test_failed_scrape_keeps_the_last_snapshot(session: aiohttp.ClientSession) -> None:
+    pool = EnginePool()
+    engine = Engine(id="gone", model="m", base_url=f"http://127.0.0.1:{free_port()}")
+    engine.metrics = MetricsSnapshot(at=1.0, num_running=2)
+    pool.add(engine)
+    poller = MetricsPoller(pool, engine, session, interval_s=0.1, timeout_s=0.5)
+    assert await poller.scrape_once() is None
+    assert engine.metrics == MetricsSnapshot(at=1.0, num_running=2)

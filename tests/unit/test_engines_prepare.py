@@ -11,7 +11,12 @@ import pytest
 
 from engines import prepare
 from engines.prepare import (
-    MARKER, PACKAGED_GEMMA, RECIPE_VERSION, default_cache_dir, main, prepare_model,
+    MARKER,
+    PACKAGED_GEMMA,
+    RECIPE_VERSION,
+    default_cache_dir,
+    main,
+    prepare_model,
     resolve_model_path,
 )
 
