@@ -1,0 +1,224 @@
+"""``python -m loadtest replay --workload NAME --target URL …``: open-loop replay.
+
+Requests leave at their workload times whatever happens to earlier ones (open
+loop), for at most ``--duration`` s; in-flight requests then get ``--drain`` s to
+finish. Each result is one JSON line (``--out``): tenant, priority, HTTP status, error
+code, queue time (``x-sluice-queue-ms`` response header), TTFT, TPOT, E2E (ms),
+tokens, engine (``x-sluice-engine``). Engines given with ``--engine-metrics URL``
+are scraped every ``--scrape-interval`` s (load over time) and before/after (prefix
+hit rate from their own counters). The report (``--json``) and PNG plots
+(``--plots DIR``) come from :mod:`loadtest.report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+from loadtest.report import EngineSample, EngineStats, Result, Slo, format_summary, plot, summarize
+from loadtest.workloads import WORKLOADS, RequestSpec, WorkloadOptions, build_workload
+
+
+class Replayer:
+    """Sends a workload's requests to ``target`` at their times.
+
+    Args:
+        target: gateway or engine base URL (no ``/v1``).
+        api_keys: tenant → list of API keys (``RequestSpec.api_key_slot`` indexes it);
+            tenants without keys send none.
+        duration_s: stop sending after this, s; drain_s: then wait this long, s.
+    """
+
+    def __init__(self, target: str, api_keys: dict[str, list[str]], duration_s: float,
+                 drain_s: float = 30.0) -> None:
+        self.target = target.rstrip("/")
+        self.api_keys = api_keys
+        self.duration_s = duration_s
+        self.drain_s = drain_s
+
+    def _headers(self, spec: RequestSpec) -> dict[str, str]:
+        keys = self.api_keys.get(spec.tenant) or []
+        if not keys:
+            return {}
+        return {"Authorization": f"Bearer {keys[spec.api_key_slot % len(keys)]}"}
+
+    async def _one(self, session: aiohttp.ClientSession, i: int, spec: RequestSpec) -> Result:
+        res = Result(i, spec.tenant, spec.priority, spec.at_s, status=0)
+        t0 = time.perf_counter()
+        token_times: list[float] = []
+        try:
+            async with session.post(self.target + spec.endpoint, json=spec.body,
+                                    headers=self._headers(spec)) as r:
+                res.status = r.status
+                res.engine = r.headers.get("x-sluice-engine")
+                q = r.headers.get("x-sluice-queue-ms")
+                res.queue_ms = float(q) if q else None
+                if r.status != 200:
+                    try:
+                        err = (await r.json(content_type=None)).get("error", {})
+                        code = err.get("code")  # OpenAI: a string; vLLM: the status
+                        res.error_code = str(code if isinstance(code, str)
+                                             else err.get("type") or r.status)
+                    except (ValueError, AttributeError):
+                        res.error_code = str(r.status)
+                elif spec.body.get("stream"):
+                    async for line in r.content:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        choices = chunk.get("choices") or []
+                        if choices and (choices[0].get("text")
+                                        or (choices[0].get("delta") or {}).get("content")):
+                            token_times.append(time.perf_counter() - t0)
+                        if chunk.get("usage"):
+                            self._usage(res, chunk["usage"])
+                        if "error" in chunk:
+                            res.error_code = str(chunk["error"].get("code", "stream_error"))
+                else:
+                    body = await r.json()
+                    token_times.append(time.perf_counter() - t0)
+                    self._usage(res, body.get("usage") or {})
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            res.error_code = type(exc).__name__
+        except asyncio.CancelledError:
+            res.error_code = "cancelled_at_deadline"
+        res.e2e_ms = 1000 * (time.perf_counter() - t0)
+        if token_times:
+            res.ttft_ms = 1000 * token_times[0]
+            if len(token_times) > 1:
+                res.tpot_ms = 1000 * (token_times[-1] - token_times[0]) / (len(token_times) - 1)
+        return res
+
+    @staticmethod
+    def _usage(res: Result, usage: dict) -> None:
+        res.prompt_tokens = usage.get("prompt_tokens")
+        res.completion_tokens = usage.get("completion_tokens")
+
+    async def run(self, specs: list[RequestSpec], engines: list[EngineStats],
+                  scrape_interval_s: float = 1.0) -> tuple[list[Result], float]:
+        """Replay ``specs`` (sorted by ``at_s``); returns results and wall time, s."""
+        specs = [s for s in specs if s.at_s < self.duration_s]
+        conn = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+            before = [await _scrape(session, e.url) for e in engines]
+            start = time.perf_counter()
+            scraper = asyncio.create_task(self._scrape_loop(session, engines, start,
+                                                            scrape_interval_s))
+            bar = tqdm(total=len(specs), unit="req", file=sys.stderr)
+            tasks: list[asyncio.Task[Result]] = []
+            for i, spec in enumerate(specs):
+                delay = start + spec.at_s - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                task = asyncio.create_task(self._one(session, i, spec))
+                task.add_done_callback(lambda _: bar.update())
+                tasks.append(task)
+            done, pending = await asyncio.wait(tasks, timeout=self.drain_s) if tasks else ((), ())
+            for t in pending:
+                t.cancel()
+            results = list(await asyncio.gather(*tasks))
+            wall = time.perf_counter() - start
+            bar.close()
+            scraper.cancel()
+            for e, b in zip(engines, before):
+                a = await _scrape(session, e.url)
+                e.queries_delta = a.get("vllm:prefix_cache_queries_total", 0) - b.get(
+                    "vllm:prefix_cache_queries_total", 0)
+                e.hits_delta = a.get("vllm:prefix_cache_hits_total", 0) - b.get(
+                    "vllm:prefix_cache_hits_total", 0)
+        return results, wall
+
+    async def _scrape_loop(self, session: aiohttp.ClientSession, engines: list[EngineStats],
+                           start: float, interval_s: float) -> None:
+        while True:
+            t = time.perf_counter() - start
+            for e, m in zip(engines, await asyncio.gather(
+                    *(_scrape(session, e.url) for e in engines))):
+                if m:
+                    e.samples.append(EngineSample(
+                        t, m.get("vllm:num_requests_running", 0),
+                        m.get("vllm:num_requests_waiting", 0),
+                        m.get("vllm:kv_cache_usage_perc", 0)))
+            await asyncio.sleep(interval_s)
+
+
+async def _scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Sums of each sample name on ``url/metrics``; {} when unreachable."""
+    try:
+        async with session.get(url.rstrip("/") + "/metrics",
+                               timeout=aiohttp.ClientTimeout(total=5)) as r:
+            text = await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return {}
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtest replay", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", required=True,
+                   help=f"one of {', '.join(WORKLOADS)}, or a Mooncake-format file")
+    p.add_argument("--target", required=True, help="base URL (gateway or engine)")
+    p.add_argument("--model", default="sim-model")
+    p.add_argument("--duration", type=float, default=60.0, help="send window, s")
+    p.add_argument("--drain", type=float, default=30.0, help="wait for in-flight, s")
+    p.add_argument("--limit", type=int, help="at most this many requests")
+    p.add_argument("--time-scale", type=float, default=1.0, help="trace time multiplier")
+    p.add_argument("--rate", type=float, default=2.0, help="Poisson rate, req/s")
+    p.add_argument("--max-input-tokens", type=int)
+    p.add_argument("--max-output-tokens", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--api-key", action="append", default=[], metavar="TENANT=KEY",
+                   help="repeat; several keys per tenant fill its api_key_slots in order")
+    p.add_argument("--engine-metrics", action="append", default=[], metavar="URL",
+                   help="engine base URL to scrape (repeat)")
+    p.add_argument("--scrape-interval", type=float, default=1.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=Slo.ttft_ms)
+    p.add_argument("--slo-tpot-ms", type=float, default=Slo.tpot_ms)
+    p.add_argument("--out", help="per-request JSON lines")
+    p.add_argument("--json", help="report JSON")
+    p.add_argument("--plots", help="directory for PNG plots")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    opts = WorkloadOptions(model=args.model, limit=args.limit, duration_s=args.duration,
+                           time_scale=args.time_scale, rate=args.rate,
+                           max_input_tokens=args.max_input_tokens,
+                           max_output_tokens=args.max_output_tokens, seed=args.seed,
+                           stream=not args.no_stream)
+    workload = build_workload(args.workload, opts)
+    keys: dict[str, list[str]] = {}
+    for item in args.api_key:
+        tenant, _, key = item.partition("=")
+        keys.setdefault(tenant, []).append(key)
+    engines = [EngineStats(u) for u in args.engine_metrics]
+    replayer = Replayer(args.target, keys, args.duration, args.drain)
+    results, wall = asyncio.run(replayer.run(workload.requests, engines, args.scrape_interval))
+    summary = summarize(results, engines, Slo(args.slo_ttft_ms, args.slo_tpot_ms), wall)
+    summary["workload"] = workload.name
+    print(format_summary(summary))
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            for r in results:
+                f.write(json.dumps(asdict(r)) + "\n")
+    if args.plots:
+        summary["plots"] = [str(p) for p in plot(results, engines, Path(args.plots))]
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    return 0

@@ -1,0 +1,163 @@
+"""Replay results → summary (latency percentiles, goodput under an SLO, shed rate by
+reason, per-engine load and prefix hit rate) and PNG plots."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Result:
+    """One request's outcome (one JSON line of ``--out``); times in ms."""
+
+    index: int
+    tenant: str
+    priority: str
+    at_s: float
+    status: int
+    error_code: str | None = None
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    engine: str | None = None
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Goodput SLO: a request counts if it succeeded with TTFT ≤ ``ttft_ms`` and
+    TPOT ≤ ``tpot_ms`` (DistServe's definition of goodput, Zhong et al., OSDI 2024)."""
+
+    ttft_ms: float = 2000.0
+    tpot_ms: float = 100.0
+
+
+@dataclass
+class EngineSample:
+    """One scrape of an engine during the run: ``t_s`` since start, load =
+    running + waiting requests, KV usage 0–1."""
+
+    t_s: float
+    running: float
+    waiting: float
+    kv_usage: float
+
+
+@dataclass
+class EngineStats:
+    url: str
+    queries_delta: float = 0.0
+    hits_delta: float = 0.0
+    samples: list[EngineSample] = field(default_factory=list)
+
+
+def _pct(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    a = np.asarray(values)
+    return {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}
+
+
+def summarize(results: list[Result], engines: list[EngineStats], slo: Slo,
+              wall_s: float) -> dict[str, Any]:
+    """The report as a JSON-able dict."""
+    ok = [r for r in results if r.status == 200 and r.error_code is None]
+    good = [r for r in ok if (r.ttft_ms or 0) <= slo.ttft_ms and (r.tpot_ms or 0) <= slo.tpot_ms]
+    shed = Counter(f"{r.status}:{r.error_code or ''}" for r in results if r not in ok)
+    per_engine = Counter(r.engine for r in ok if r.engine)
+    loads = [float(np.mean([s.running + s.waiting for s in e.samples]))
+             for e in engines if e.samples]
+    hits = sum(e.hits_delta for e in engines)
+    queries = sum(e.queries_delta for e in engines)
+    return {
+        "requests": len(results), "ok": len(ok), "wall_s": wall_s,
+        "ttft_ms": _pct([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+        "tpot_ms": _pct([r.tpot_ms for r in ok if r.tpot_ms is not None]),
+        "e2e_ms": _pct([r.e2e_ms for r in ok if r.e2e_ms is not None]),
+        "queue_ms": _pct([r.queue_ms for r in results if r.queue_ms is not None]),
+        "throughput_tok_s": sum(r.completion_tokens or 0 for r in ok) / wall_s if wall_s else 0,
+        "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+        "goodput_rps": len(good) / wall_s if wall_s else 0.0,
+        "goodput_fraction": len(good) / len(results) if results else 0.0,
+        "shed_rate": {k: v / len(results) for k, v in sorted(shed.items())},
+        "requests_per_engine": dict(per_engine),
+        "prefix_hit_rate": hits / queries if queries else None,
+        "engines": [{"url": e.url, "prefix_hit_rate": (e.hits_delta / e.queries_delta
+                                                       if e.queries_delta else None),
+                     "mean_load": (float(np.mean([s.running + s.waiting for s in e.samples]))
+                                   if e.samples else None)} for e in engines],
+        "load_max_over_mean": (max(loads) / float(np.mean(loads))
+                               if loads and np.mean(loads) > 0 else None),
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    def row(name: str, p: dict[str, float | None]) -> str:
+        f = lambda v: "-" if v is None else f"{v:9.1f}"  # noqa: E731
+        return f"{name:8} {f(p['p50'])} {f(p['p90'])} {f(p['p99'])}"
+
+    lines = [f"requests {s['requests']}, ok {s['ok']}, wall {s['wall_s']:.1f} s, "
+             f"throughput {s['throughput_tok_s']:.1f} tok/s",
+             f"{'ms':8} {'p50':>9} {'p90':>9} {'p99':>9}",
+             row("TTFT", s["ttft_ms"]), row("TPOT", s["tpot_ms"]), row("E2E", s["e2e_ms"]),
+             f"goodput (TTFT ≤ {s['slo']['ttft_ms']:.0f} ms, TPOT ≤ {s['slo']['tpot_ms']:.0f} ms):"
+             f" {s['goodput_rps']:.2f} req/s ({s['goodput_fraction']:.1%})"]
+    if s["shed_rate"]:
+        lines.append("not ok: " + ", ".join(f"{k} {v:.1%}" for k, v in s["shed_rate"].items()))
+    if s["prefix_hit_rate"] is not None:
+        lines.append(f"prefix hit rate {s['prefix_hit_rate']:.3f}; load max/mean "
+                     f"{s['load_max_over_mean'] or float('nan'):.2f}")
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], engines: list[EngineStats], out_dir: Path) -> list[Path]:
+    """Latency CDFs and per-engine load over time as PNGs in ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, key in zip(axes, ("ttft_ms", "tpot_ms", "e2e_ms")):
+        by_prio: dict[str, list[float]] = defaultdict(list)
+        for r in results:
+            v = getattr(r, key)
+            if r.status == 200 and v is not None:
+                by_prio[r.priority].append(v)
+        for prio, vals in sorted(by_prio.items()):
+            v = np.sort(vals)
+            ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=prio)
+        ax.set_xlabel(key.replace("_ms", " (ms)").upper())
+        ax.set_ylabel("CDF")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "latency_cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    if any(e.samples for e in engines):
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 3.6))
+        for e in engines:
+            t = [s.t_s for s in e.samples]
+            a1.plot(t, [s.running + s.waiting for s in e.samples], label=e.url)
+            a2.plot(t, [s.kv_usage for s in e.samples], label=e.url)
+        a1.set_ylabel("running + waiting")
+        a2.set_ylabel("KV usage")
+        for a in (a1, a2):
+            a.set_xlabel("time (s)")
+            a.grid(alpha=0.3)
+            a.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out_dir / "engine_load.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
