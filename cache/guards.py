@@ -14,9 +14,10 @@ needs :func:`compatible` to hold between the stored and the incoming question:
   lacking the word itself;
 * **numbers** — the multisets of numbers (digits, and number words one–twenty,
   hundred, thousand, million, billion) are equal;
-* **named entities** — every capitalised token that does not start a sentence
-  (a cheap proper-noun detector) in either text appears, case-insensitively, as a
-  token of the other.
+* **named entities** — every capitalised token that does not start a sentence and
+  is not a function word (a cheap proper-noun detector) in either text appears,
+  case-insensitively and after the same stem, as a token of the other
+  ("Olympics" ~ "olympic").
 
 All checks are pure functions over precomputed :class:`Features`, ~10 µs per pair.
 """
@@ -57,13 +58,25 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
     ("compress", "decompress"), ("encode", "decode"), ("ascending", "descending"),
     ("north", "south"), ("east", "west"), ("left", "right"), ("top", "bottom"),
     ("light", "dark"), ("day", "night"), ("past", "future"), ("always", "never"),
+    ("shortest", "longest"), ("he", "she"), ("his", "her"), ("him", "her"),
+    ("guy", "girl"), ("husband", "wife"), ("boyfriend", "girlfriend"),
+    ("father", "mother"), ("son", "daughter"), ("brother", "sister"),
 )
 
+#: "one" is left out: it is mostly a pronoun ("how can one learn …"); "1" still counts.
 _NUMBER_WORDS = {
     w: str(i) for i, w in enumerate(
         "zero one two three four five six seven eight nine ten eleven twelve thirteen "
-        "fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())
+        "fourteen fifteen sixteen seventeen eighteen nineteen twenty".split()) if w != "one"
 } | {"hundred": "100", "thousand": "1000", "million": "1000000", "billion": "1000000000"}
+
+
+#: Capitalised mid-sentence by habit or typo, never a name on their own.
+_FUNCTION_WORDS: frozenset[str] = frozenset(
+    "i a an the and or but if is are was were be do does did how what why when where who "
+    "which whom whose can could should would will shall may might must to of in on at for "
+    "from by with about as into than then so it its this that these those my your his her "
+    "our their me you he she we they".split())
 
 
 def _stem(word: str) -> str:
@@ -85,11 +98,12 @@ class Features:
     """What the guards compare, extracted once per text by :func:`features`.
 
     Attributes:
-        tokens: lower-cased word tokens.
+        tokens: stems of the lower-cased word tokens.
         negated: whether a negation word (or ``n't``) occurs.
         polar: stems of words that have an antonym in :data:`ANTONYMS`.
         numbers: sorted numbers as normalised strings (``1,000`` → ``1000``).
-        entities: lower-cased capitalised tokens not at a sentence start.
+        entities: stems of capitalised tokens not at a sentence start (function
+            words excluded).
     """
 
     tokens: frozenset[str]
@@ -126,12 +140,13 @@ def features(text: str) -> Features:
             negated = True
         if low in _NUMBER_WORDS:
             numbers.append(_NUMBER_WORDS[low])
-        if raw[0].isupper() and not sentence_start and low != "i":
-            entities.add(low)
+        if raw[0].isupper() and not sentence_start and low not in _FUNCTION_WORDS:
+            entities.add(_stem(low))
         tokens.append(low)
         sentence_start = False
-    polar = frozenset(s for s in map(_stem, tokens) if s in _OPPOSITE)
-    return Features(frozenset(tokens), negated, polar, tuple(sorted(numbers)),
+    stems = frozenset(map(_stem, tokens))
+    polar = frozenset(s for s in stems if s in _OPPOSITE)
+    return Features(stems, negated, polar, tuple(sorted(numbers)),
                     frozenset(entities))
 
 

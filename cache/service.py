@@ -85,7 +85,9 @@ class ResponseCache:
             return CacheHit("exact", response)
         if self.semantic is None or key.scope is None or key.query is None:
             return None
-        threshold = req.tenant.semantic_threshold or self.cfg.semantic.threshold
+        threshold = req.tenant.semantic_threshold
+        if threshold is None:
+            threshold = self.cfg.semantic.threshold
         match = await self.semantic.lookup(key.scope, key.query, threshold)
         if match is None:
             return None
