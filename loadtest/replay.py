@@ -87,7 +87,7 @@ class Replayer:
                     body = await r.json()
                     token_times.append(time.perf_counter() - t0)
                     self._usage(res, body.get("usage") or {})
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             res.error_code = type(exc).__name__
         except asyncio.CancelledError:
             res.error_code = "cancelled_at_deadline"
@@ -130,7 +130,7 @@ class Replayer:
             wall = time.perf_counter() - start
             bar.close()
             scraper.cancel()
-            for e, b in zip(engines, before):
+            for e, b in zip(engines, before, strict=False):
                 a = await _scrape(session, e.url)
                 e.queries_delta = a.get("vllm:prefix_cache_queries_total", 0) - b.get(
                     "vllm:prefix_cache_queries_total", 0)
@@ -143,7 +143,7 @@ class Replayer:
         while True:
             t = time.perf_counter() - start
             for e, m in zip(engines, await asyncio.gather(
-                    *(_scrape(session, e.url) for e in engines))):
+                    *(_scrape(session, e.url) for e in engines)), strict=False):
                 if m:
                     e.samples.append(EngineSample(
                         t, m.get("vllm:num_requests_running", 0),
@@ -158,7 +158,7 @@ async def _scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
         async with session.get(url.rstrip("/") + "/metrics",
                                timeout=aiohttp.ClientTimeout(total=5)) as r:
             text = await r.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return {}
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):

@@ -127,7 +127,7 @@ def plot(results: list[Result], engines: list[EngineStats], out_dir: Path) -> li
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, key in zip(axes, ("ttft_ms", "tpot_ms", "e2e_ms")):
+    for ax, key in zip(axes, ("ttft_ms", "tpot_ms", "e2e_ms"), strict=False):
         by_prio: dict[str, list[float]] = defaultdict(list)
         for r in results:
             v = getattr(r, key)

@@ -110,7 +110,7 @@ class KVCache:
     def cache_blocks(self, blocks: Sequence[Block], block_hashes: Sequence[int]) -> None:
         """Register full ``blocks`` under ``block_hashes`` (pairwise). A hash already
         cached keeps its existing block; the duplicate stays uncached."""
-        for block, h in zip(blocks, block_hashes):
+        for block, h in zip(blocks, block_hashes, strict=False):
             if block.block_hash is None and h not in self._cached:
                 block.block_hash = h
                 self._cached[h] = block

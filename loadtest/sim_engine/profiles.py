@@ -58,7 +58,7 @@ class Profile:
         return (self.step_fixed_s + self.prefill_token_s * prefill_tokens
                 + self.decode_seq_s * decode_seqs + self.kv_token_s * kv_tokens)
 
-    def with_overrides(self, **changes: int | None) -> "Profile":
+    def with_overrides(self, **changes: int | None) -> Profile:
         """A copy with the non-None ``changes`` applied (CLI overrides)."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
@@ -98,6 +98,10 @@ _MFU = 0.5
 #: Achieved share of peak HBM bandwidth for weight and KV reads in decode (memory
 #: bound, DistServe §2); 0.7 is typical of measured GEMV/paged-attention kernels.
 _BW_EFF = 0.7
+#: Activation peak + CUDA graphs reserved outside the KV pool, bytes. An assumption
+#: (not a measurement): vLLM subtracts the peak of a profiling forward pass of
+#: max_num_batched_tokens (8192) tokens; for an 8B model this is a few GB.
+_ACTIVATION_BYTES = 4e9
 #: Host-side scheduling, sampling and launch overhead per step, s; the vLLM v0.6.0
 #: performance blog (vLLM team, Sep 2024) measured CPU overhead at several ms per step
 #: before multi-step/async scheduling and ~1–2 ms after; 1.5 ms is taken here.
@@ -106,7 +110,8 @@ _HOST_OVERHEAD_S = 1.5e-3
 H200_LLAMA31_8B = Profile(
     name="h200-llama3-8b",
     block_size=16,
-    num_blocks=kv_blocks(_H200_BYTES, 0.92, 2 * _L8B_PARAMS, 4e9, 32, 8, 128, 2, 16),
+    num_blocks=kv_blocks(_H200_BYTES, 0.92, 2 * _L8B_PARAMS, _ACTIVATION_BYTES,
+                         32, 8, 128, 2, 16),  # 52,289 blocks ≈ 837k tokens
     max_num_seqs=1024,
     max_num_batched_tokens=8192,
     max_model_len=131_072,

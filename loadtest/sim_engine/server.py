@@ -10,6 +10,7 @@ and its KV blocks are freed, as vLLM aborts requests whose connection closed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -67,10 +68,8 @@ async def _engine_loop(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.create_task(app[ENGINE].run())
     yield
     task.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         await task
-    except asyncio.CancelledError:
-        pass
 
 
 def _error(exc: RequestError) -> web.Response:

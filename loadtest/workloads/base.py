@@ -36,7 +36,7 @@ music those both mark often letter until river car feet care second book carry t
 rain eat room friend began idea fish north once base hear horse cut sure watch color
 face wood main enough plain girl usual young ready above ever red list though feel
 talk bird soon body dog family direct pose leave song measure state product black short
-""".split() if len(w) <= 6)
+""".split() if len(w) <= 6)  # noqa: SIM905
 
 
 def data_dir() -> Path:

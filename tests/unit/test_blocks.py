@@ -55,7 +55,7 @@ def test_full_blocks_only_and_chaining():
     # Same block content after a different prefix gives a different hash (chained).
     other = [999] * 16 + toks[16:]
     h2 = chain_block_hashes(other, 16)
-    assert h2[0] != h[0] and all(x != y for x, y in zip(h, h2))
+    assert h2[0] != h[0] and all(x != y for x, y in zip(h, h2, strict=False))
     # A shared prefix gives shared leading hashes, then divergence.
     div = toks[:40] + [7] * 60
     h3 = chain_block_hashes(div, 16)

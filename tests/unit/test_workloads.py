@@ -5,10 +5,17 @@ from __future__ import annotations
 import pytest
 
 from engines.blocks import chain_block_hashes, fallback_tokenize
-from loadtest.workloads import WORKLOADS, WorkloadOptions, build_workload, data_dir, ideal_hit_rate, read_trace
+from loadtest.sim_engine.protocol import render_chat
+from loadtest.workloads import (
+    WORKLOADS,
+    WorkloadOptions,
+    build_workload,
+    data_dir,
+    ideal_hit_rate,
+    read_trace,
+)
 from loadtest.workloads.base import text_block
 from loadtest.workloads.mooncake import prompt_text
-from loadtest.sim_engine.protocol import render_chat
 
 pytestmark = pytest.mark.skipif(not (data_dir() / "mooncake").is_dir(),
                                 reason="shared data not present")
@@ -31,7 +38,7 @@ def test_same_hash_id_same_text_and_shared_prefix_blocks():
     # After the chat template, the shared 1024 tokens give shared engine blocks.
     ha = chain_block_hashes(fallback_tokenize(render_chat([{"role": "user", "content": a}])), 128)
     hb = chain_block_hashes(fallback_tokenize(render_chat([{"role": "user", "content": b}])), 128)
-    shared = sum(1 for x, y in zip(ha, hb) if x == y)
+    shared = sum(1 for x, y in zip(ha, hb, strict=False) if x == y)
     assert shared == 8  # (1024 + template head) // 128
 
 
@@ -42,7 +49,7 @@ def test_mooncake_workload_bounds_and_scaling():
     records = read_trace()
     expected = sum(1 for r in records if r["timestamp"] / 1000 * 0.5 < 30)
     assert len(w.requests) == expected
-    assert all(a.at_s <= b.at_s for a, b in zip(w.requests, w.requests[1:]))
+    assert all(a.at_s <= b.at_s for a, b in zip(w.requests, w.requests[1:], strict=False))
     r0 = w.requests[0]
     assert r0.body["model"] == "m" and r0.body["max_tokens"] <= 64
     assert len(fallback_tokenize(r0.body["messages"][0]["content"])) <= 2000
