@@ -112,7 +112,6 @@ class Counters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0  # preemption events
-    request_success: int = 0  # requests finished by length
 
 
 class Scheduler:
@@ -194,7 +193,6 @@ class Scheduler:
             req.last_token_s = now
             out.append(req)
             if req.num_output_tokens >= req.max_tokens:
-                self.counters.request_success += 1
                 self._release(req, Status.FINISHED)  # notifies
                 finished = True
             else:
