@@ -116,6 +116,8 @@ class GatewayConfig(_Strict):
     observability: ObservabilityConfig = ObservabilityConfig()
     admin_key_hashes: list[str] = Field(default_factory=list)
     retry_attempts: int = Field(2, ge=1, description="engines tried before the first byte")
+    default_output_tokens: int = Field(
+        256, ge=1, description="output tokens reserved when a request sets no max_tokens")
     drain_grace_s: float = Field(30.0, ge=0)
 
     @field_validator("admin_key_hashes")

@@ -84,6 +84,27 @@ class Engine:
     def routable(self) -> bool:
         return self.state is EngineState.READY
 
+    # The load view admission control reads (``limits.interfaces.EngineLoad``).
+    @property
+    def kv_cache_usage(self) -> float | None:
+        return self.metrics.kv_cache_usage if self.metrics else None
+
+    @property
+    def num_waiting(self) -> int:
+        return self.metrics.num_waiting if self.metrics else 0
+
+    @property
+    def block_size(self) -> int | None:
+        return self.metrics.block_size if self.metrics else None
+
+    @property
+    def num_blocks(self) -> int | None:
+        return self.metrics.num_blocks if self.metrics else None
+
+    @property
+    def metrics_at(self) -> float | None:
+        return self.metrics.at if self.metrics else None
+
 
 class EnginePool:
     """All engines, in configuration order.
@@ -119,18 +140,25 @@ class EnginePool:
         engine.metrics = snapshot
         self.notify()
 
-    @contextmanager
-    def lease(self, engine: Engine, blocks: int = 0) -> Iterator[Engine]:
-        """Count one in-flight request (and ``blocks`` promised KV blocks) on
-        ``engine`` for the duration of the ``with`` block; released exactly once."""
+    def acquire(self, engine: Engine, blocks: int = 0) -> None:
+        """Count one in-flight request and ``blocks`` promised KV blocks on
+        ``engine``; pair with exactly one :meth:`release`."""
         engine.in_flight += 1
         engine.promised_blocks += blocks
+
+    def release(self, engine: Engine, blocks: int = 0) -> None:
+        engine.in_flight -= 1
+        engine.promised_blocks -= blocks
+        self.notify()
+
+    @contextmanager
+    def lease(self, engine: Engine, blocks: int = 0) -> Iterator[Engine]:
+        """:meth:`acquire` for the duration of the ``with`` block."""
+        self.acquire(engine, blocks)
         try:
             yield engine
         finally:
-            engine.in_flight -= 1
-            engine.promised_blocks -= blocks
-            self.notify()
+            self.release(engine, blocks)
 
     def notify(self) -> None:
         for fn in self.listeners:

@@ -16,17 +16,23 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from engines.supervisor import Supervisor
 
+from cache.service import open_cache
 from config.schema import Config
 from engines.pool import EnginePool
 from engines.scheduler import Scheduler
+from engines.supervisor import Supervisor
 from gateway.auth import TenantDirectory
-from gateway.director import Director
+from gateway.director import Director, Placement
 from gateway.keys import CONFIG, POOL, SESSION, TENANT, TENANTS
 from gateway.middlewares import auth_middleware, errors_middleware
 from gateway.proxy import EngineClient
 from gateway.reload import TenantReloader
+from limits.admission import AdmissionQueue
+from limits.clock import MonotonicClock
+from limits.rate_limit import RateLimiter
+from limits.saturation import SaturationDetector
+from limits.stores import open_store
 
 DIRECTOR = web.AppKey("director", Director)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
@@ -88,14 +94,41 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None) -> web.Appli
         app[SESSION] = session
         supervisor = Supervisor(cfg.engines, app[POOL], session, model_cache_dir=model_cache_dir)
         app[SUPERVISOR] = supervisor
-        app[DIRECTOR] = Director(cfg, app[POOL], Scheduler(cfg.engines.scheduler),
-                                 EngineClient(session, cfg.gateway.timeouts))
         await supervisor.start()
         try:
             yield
         finally:
             await supervisor.stop(cfg.gateway.drain_grace_s)
             await session.close()
+
+    async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
+        limits = cfg.gateway.limits
+        store = open_store(limits.store_url, failure=limits.redis_failure,
+                           timeout_s=limits.redis_timeout_s)
+        clock = MonotonicClock()
+        queues: dict[str, AdmissionQueue[Placement]] = {
+            m: AdmissionQueue(m, cfg.gateway.queue, clock) for m in cfg.engines.model_names()}
+        cache = open_cache(cfg.gateway.cache) if cfg.gateway.cache.enabled else None
+        app[DIRECTOR] = Director(
+            cfg, app[POOL], Scheduler(cfg.engines.scheduler),
+            EngineClient(app[SESSION], cfg.gateway.timeouts),
+            RateLimiter(store, lease_ttl_s=limits.lease_ttl_s), queues,
+            SaturationDetector.from_config(cfg.engines), cache)
+
+        def kick() -> None:
+            for q in queues.values():
+                q.kick()
+
+        app[POOL].listeners.append(kick)
+        try:
+            yield
+        finally:
+            app[POOL].listeners.remove(kick)
+            for q in queues.values():
+                q.close()
+            if cache is not None:
+                await cache.close()
+            await store.close()
 
     async def reload_ctx(app: web.Application) -> AsyncIterator[None]:
         path = cfg.paths.get("tenants")
@@ -108,6 +141,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None) -> web.Appli
                 await task
 
     app.cleanup_ctx.append(engines_ctx)
+    app.cleanup_ctx.append(pipeline_ctx)
     app.cleanup_ctx.append(reload_ctx)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

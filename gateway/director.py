@@ -1,24 +1,35 @@
-"""The per-request pipeline (DESIGN.md, "Request flow"): parse → checks → place →
+"""The per-request pipeline (DESIGN.md, "Request flow"): parse → tenant checks →
+cache lookup → rate limit → admission (queue, degradation, shedding) → schedule →
 proxy (retrying on another engine only before the first byte) → finish.
 
-Everything a request acquires is released in ``finally``, exactly once, whether it
-ends in success, error, timeout or client disconnect.
+Everything a request acquires (rate-limit reservation, concurrency slot, engine lease
+and its promised KV blocks) is released in ``finally``, exactly once, whether it ends
+in success, error, timeout or client disconnect.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from cache.replay import as_json, as_sse
+from cache.service import CacheHit, CacheRequest, ResponseCache
 from config.schema import Config, TenantQuota
 from engines.pool import Engine, EnginePool
-from engines.scheduler import Decision, SchedRequest, Scheduler
-from gateway.keys import REQUEST_ID, TENANT
+from engines.scheduler import SchedRequest, Scheduler
+from gateway.keys import RECORD, REQUEST_ID, TENANT
 from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_request
-from gateway.proxy import EngineClient, ProxyResult, UpstreamFailed
+from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
+from limits.admission import AdmissionQueue
+from limits.degrade import DEGRADED_HEADER, degrade
 from limits.outcome import Outcome, Rejected
+from limits.rate_limit import RateLimiter
+from limits.saturation import SaturationDetector, kv_blocks
 
 #: Retry-After, s, when no engine serving the model is ready (engines restart with
 #: backoff starting at 1 s; a few seconds is the honest order of magnitude).
@@ -27,37 +38,90 @@ NO_ENGINE_RETRY_S = 5
 
 @dataclass
 class RequestRecord:
-    """What the pipeline learned about one request (for logs and metrics)."""
+    """What the pipeline learned about one request (for logs, metrics, traces).
+
+    Times in seconds; ``cache`` is ``hit-exact``, ``hit-semantic``, ``miss`` or
+    ``bypass``; ``degraded`` lists the degradation actions applied.
+    """
 
     request_id: str
     tenant: str
+    priority: str = "standard"
     model: str | None = None
     engine: str | None = None
+    scores: dict[str, float] = field(default_factory=dict)
     outcome: Outcome = Outcome.OK
-    status: int = 200
+    reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     queue_s: float = 0.0
     ttft_s: float | None = None
+    cache: str = "bypass"
+    degraded: tuple[str, ...] = ()
+    stream: bool = False
+    finish_reasons: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
 
 
+@dataclass
+class Placement:
+    """An engine lease taken for one request: ``blocks`` promised KV blocks."""
+
+    engine: Engine
+    blocks: int
+    scores: dict[str, float]
+
+
+def _request_timeout(request: web.Request) -> float | None:
+    raw = request.headers.get("x-request-timeout")
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and math.isfinite(value)):
+        raise Rejected(Outcome.INVALID_REQUEST, "x-request-timeout must be a positive number "
+                       "of seconds.", param="x-request-timeout")
+    return value
+
+
+def _cache_control(request: web.Request) -> tuple[bool, bool]:
+    """(no_cache, no_store) from ``Cache-Control``."""
+    tokens = {t.strip().lower() for t in request.headers.get("Cache-Control", "").split(",")}
+    return "no-cache" in tokens, "no-store" in tokens
+
+
 class Director:
-    """Runs requests through the pipeline; one per app."""
+    """Runs requests through the pipeline; one per app.
+
+    Args:
+        queues: one admission queue per served model.
+        cache: the response cache, or None when disabled.
+        default_output_tokens: output tokens reserved for a request that sets no cap.
+    """
 
     def __init__(self, cfg: Config, pool: EnginePool, scheduler: Scheduler,
-                 client: EngineClient) -> None:
+                 client: EngineClient, limiter: RateLimiter,
+                 queues: dict[str, AdmissionQueue[Placement]], detector: SaturationDetector,
+                 cache: ResponseCache | None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.scheduler = scheduler
         self.client = client
-        self.models = set(cfg.engines.model_names())
+        self.limiter = limiter
+        self.queues = queues
+        self.detector = detector
+        self.cache = cache
+        self.default_output_tokens = cfg.gateway.default_output_tokens
+        self.on_finish: list[Callable[[RequestRecord], None]] = []
+        self._background: set[asyncio.Task[object]] = set()
 
     # ------------------------------------------------------------------ checks
 
     def _check_model(self, tenant: TenantQuota, req: InferenceRequest) -> None:
         allowed = tenant.allowed_models
-        if req.model not in self.models or (allowed is not None and req.model not in allowed):
+        if req.model not in self.queues or (allowed is not None and req.model not in allowed):
             raise Rejected(
                 Outcome.MODEL_NOT_FOUND,
                 f"The model '{req.model}' does not exist or you do not have access to it.",
@@ -84,63 +148,206 @@ class Director:
                 param=req.output_field,
             )
 
+    def _tokens(self, req: InferenceRequest) -> int:
+        """Tokens reserved for ``req``: prompt estimate + output cap (or default)."""
+        return req.prompt_tokens + (req.max_output_tokens or self.default_output_tokens)
+
     # ------------------------------------------------------------------ placement
 
-    def _pick(self, req: InferenceRequest, tenant: TenantQuota,
-              exclude: set[str]) -> Decision | None:
-        candidates = [e for e in self.pool.for_model(req.model) if e.id not in exclude]
+    def _candidates(self, req: InferenceRequest, tenant: TenantQuota,
+                    exclude: frozenset[str] = frozenset()) -> list[Engine]:
+        now, tokens = time.monotonic(), self._tokens(req)
+        return [e for e in self.pool.for_model(req.model)
+                if e.routable and e.id not in exclude
+                and self.detector.admits(e, tenant.priority, tokens, now)]
+
+    def _place(self, req: InferenceRequest, tenant: TenantQuota,
+               exclude: frozenset[str] = frozenset()) -> Placement | None:
+        """Choose an engine with room and take its lease, or None (synchronous: the
+        admission queue calls it)."""
+        candidates = self._candidates(req, tenant, exclude)
+        if not candidates:
+            return None
         sreq = SchedRequest(model=req.model, tenant=tenant.name,
                             prompt_tokens=req.prompt_tokens, priority=tenant.priority)
-        return self.scheduler.pick(sreq, candidates, time.monotonic())
+        decision = self.scheduler.pick(sreq, candidates, time.monotonic())
+        if decision is None:
+            return None
+        blocks = kv_blocks(self._tokens(req), decision.engine.block_size)
+        self.pool.acquire(decision.engine, blocks)
+        return Placement(decision.engine, blocks, decision.scores)
+
+    def _release(self, placement: Placement) -> None:
+        self.pool.release(placement.engine, placement.blocks)
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
         return Rejected(Outcome.NO_ENGINE,
                         f"No engine serving '{req.model}' is ready; retry shortly.",
                         retry_after_s=NO_ENGINE_RETRY_S)
 
+    def _degrade(self, req: InferenceRequest, tenant: TenantQuota, rec: RequestRecord,
+                 max_wait_s: float) -> None:
+        """The degradation ladder for a sheddable request on a saturated model (one
+        whose queue is not empty or where no engine has room now): climb one rung at a
+        time (cap output, then fallback model) while still saturated; past the last
+        rung, shed the request if the queue's predicted wait (backlog / drain rate)
+        exceeds what it may wait.
+
+        Raises:
+            Rejected: ``OVERLOADED`` (reason ``shed``) as described.
+        """
+        dcfg = self.cfg.engines.model_settings(req.model).degradation
+        if tenant.priority not in dcfg.sheddable:
+            return
+        original = dict(req.body)
+        rungs = (dcfg.max_tokens_cap is not None) + (dcfg.fallback_model is not None)
+
+        def saturated() -> bool:
+            return bool(len(self.queues[req.model])) or not self._candidates(req, tenant)
+
+        for level in range(1, rungs + 1):
+            if not saturated():
+                return
+            d = degrade(original, priority=tenant.priority, config=dcfg, level=level,
+                        retry_after_s=self.queues[req.model].retry_after_s())
+            if d.body.get("model") not in self.queues:  # fallback nobody serves
+                break
+            rec.degraded = d.actions
+            req.apply_body(d.body)
+        queue = self.queues[req.model]
+        if saturated() and len(queue) and queue.retry_after_s() > max_wait_s:
+            degrade(original, priority=tenant.priority, config=dcfg, level=rungs + 1,
+                    retry_after_s=queue.retry_after_s())
+
     # ------------------------------------------------------------------ pipeline
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         tenant = request[TENANT]
-        rec = RequestRecord(request_id=request[REQUEST_ID], tenant=tenant.name)
+        rec = RequestRecord(request_id=request[REQUEST_ID], tenant=tenant.name,
+                            priority=tenant.priority)
+        request[RECORD] = rec
         try:
             req = parse_request(endpoint, parse_json(await request.read()))
-            rec.model = req.model
+            rec.model, rec.stream = req.model, req.stream
             self._check_model(tenant, req)
             self._apply_tenant_caps(tenant, req)
-            result = await self._dispatch(request, req, tenant, rec)
-            rec.outcome = result.outcome
-            rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens
-            rec.ttft_s = result.ttft_s
+            timeout_s = _request_timeout(request)
+            creq = self._cache_request(request, tenant, req)
+            if creq is not None and self.cache.eligible(creq):  # type: ignore[union-attr]
+                rec.cache = "miss"
+                hit = await self.cache.lookup(creq)  # type: ignore[union-attr]
+                if hit is not None:
+                    async with await self.limiter.reserve(tenant, 0, request_id=rec.request_id,
+                                                          concurrency=False):
+                        return await self._answer_from_cache(request, req, hit, rec)
+            async with await self.limiter.reserve(tenant, self._tokens(req),
+                                                  request_id=rec.request_id) as reservation:
+                try:
+                    result = await self._admit_and_send(request, req, tenant, rec, timeout_s)
+                finally:
+                    await reservation.settle(rec.prompt_tokens + rec.completion_tokens)
+            if creq is not None and result.answer is not None:
+                self._store_later(creq, req, result.answer)
             return result.response
         except Rejected as rej:
-            rec.outcome = rej.outcome
+            rec.outcome, rec.reason = rej.outcome, rej.reason
             raise
+        except asyncio.CancelledError:
+            rec.outcome = Outcome.CLIENT_DISCONNECTED
+            raise
+        finally:
+            for fn in self.on_finish:
+                fn(rec)
 
-    async def _dispatch(self, request: web.Request, req: InferenceRequest,
-                        tenant: TenantQuota, rec: RequestRecord) -> ProxyResult:
+    def _cache_request(self, request: web.Request, tenant: TenantQuota,
+                       req: InferenceRequest) -> CacheRequest | None:
+        """The cache's view of ``req``, or None when the cache is off."""
+        if self.cache is None or not self.cache.cfg.enabled:
+            return None
+        no_cache, no_store = _cache_control(request)
+        return CacheRequest(namespace=tenant.namespace, tenant=tenant.cache,
+                            endpoint=req.endpoint, model=req.model, body=dict(req.body),
+                            no_cache=no_cache, no_store=no_store)
+
+    def _store_later(self, creq: CacheRequest, req: InferenceRequest, answer: dict) -> None:
+        """Store a finished answer off the response path (the semantic cache embeds
+        the question, ~20 ms on CPU)."""
+        assert self.cache is not None
+        final = CacheRequest(namespace=creq.namespace, tenant=creq.tenant,
+                             endpoint=creq.endpoint, model=req.model, body=req.body,
+                             no_store=creq.no_store)
+        task = asyncio.create_task(self.cache.store(final, answer))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _answer_from_cache(self, request: web.Request, req: InferenceRequest,
+                                 hit: CacheHit, rec: RequestRecord) -> web.StreamResponse:
+        rec.cache, rec.outcome = f"hit-{hit.kind}", Outcome.CACHE_HIT
+        usage = hit.response.get("usage") or {}
+        rec.prompt_tokens = usage.get("prompt_tokens", 0)
+        rec.completion_tokens = usage.get("completion_tokens", 0)
+        rec.ttft_s = time.perf_counter() - rec.started
+        headers = {"x-request-id": rec.request_id, "x-sluice-cache": rec.cache}
+        if not req.stream:
+            return web.json_response(as_json(hit.response, req.endpoint, req.model),
+                                     headers=headers)
+        out = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+        await out.prepare(request)
+        await out.write(b"".join(as_sse(hit.response, req.endpoint, req.model,
+                                        include_usage=req.client_usage)))
+        await out.write_eof()
+        return out
+
+    async def _admit_and_send(self, request: web.Request, req: InferenceRequest,
+                              tenant: TenantQuota, rec: RequestRecord,
+                              timeout_s: float | None) -> ProxyResult:
+        ready = [e for e in self.pool.for_model(req.model) if e.routable]
+        if not ready:
+            raise self._no_engine(req)
+        capacity = [e.num_blocks * e.block_size for e in ready if e.num_blocks and e.block_size]
+        if capacity and len(capacity) == len(ready) and self._tokens(req) > max(capacity):
+            raise Rejected(Outcome.CONTEXT_LENGTH_EXCEEDED,
+                           f"This request needs about {self._tokens(req)} tokens of KV cache "
+                           f"(prompt + max output); the largest engine holds {max(capacity)}.",
+                           param="messages" if req.endpoint == "chat" else "prompt")
+        max_wait = min(tenant.max_queue_wait_s or self.cfg.gateway.queue.default_max_wait_s,
+                       timeout_s or math.inf)
+        self._degrade(req, tenant, rec, max_wait)
+        queue = self.queues[req.model]
+        ticket = queue.ticket(tenant, self._tokens(req), request_id=rec.request_id,
+                              timeout_s=timeout_s)
+        placement = await queue.admit(ticket, lambda _t: self._place(req, tenant), self._release)
+        rec.queue_s = ticket.queue_wait_s or 0.0
         tried: set[str] = set()
-        last: UpstreamFailed | None = None
-        for _ in range(self.cfg.gateway.retry_attempts):
-            decision = self._pick(req, tenant, tried)
-            if decision is None:
-                break
-            engine: Engine = decision.engine
-            rec.engine = engine.id
-            headers = {"x-request-id": rec.request_id, "x-sluice-engine": engine.id}
-            with self.pool.lease(engine):
-                try:
-                    return await self.client.send(engine, req, request, headers,
-                                                  {"x-request-id": rec.request_id})
-                except UpstreamFailed as failed:
-                    last = failed
-                    tried.add(engine.id)
-                    if not failed.retryable:
-                        break
-        if last is None:
-            raise self._no_engine(req)
-        if last.outcome is Outcome.UPSTREAM_TIMEOUT:
-            raise Rejected(Outcome.UPSTREAM_TIMEOUT, "The engine did not answer in time.")
-        if last.outcome is Outcome.NO_ENGINE:
-            raise self._no_engine(req)
-        raise Rejected(Outcome.UPSTREAM_ERROR, "The engine failed to answer; retry shortly.")
+        while True:
+            rec.engine, rec.scores = placement.engine.id, placement.scores
+            headers = {"x-request-id": rec.request_id, "x-sluice-engine": placement.engine.id,
+                       "x-sluice-queue-ms": f"{rec.queue_s * 1000:.1f}", "x-sluice-cache": rec.cache}
+            if rec.degraded:
+                headers[DEGRADED_HEADER] = ", ".join(rec.degraded)
+            try:
+                result = await self.client.send(placement.engine, req, request, headers,
+                                                {"x-request-id": rec.request_id})
+                rec.outcome, rec.ttft_s = result.outcome, result.ttft_s
+                rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens
+                rec.finish_reasons = result.finish_reasons
+                return result
+            except UpstreamFailed as failed:
+                tried.add(placement.engine.id)
+                retry = failed.retryable and len(tried) < self.cfg.gateway.retry_attempts
+                nxt = self._place(req, tenant, frozenset(tried)) if retry else None
+                if nxt is None:
+                    raise self._final_error(req, failed) from None
+            except asyncio.CancelledError:
+                rec.prompt_tokens = req.prompt_tokens  # the engine did the prefill
+                raise
+            finally:
+                self._release(placement)
+            placement = nxt
+
+    def _final_error(self, req: InferenceRequest, failed: UpstreamFailed) -> Rejected:
+        if failed.outcome is Outcome.UPSTREAM_TIMEOUT:
+            return Rejected(Outcome.UPSTREAM_TIMEOUT, "The engine did not answer in time.")
+        if failed.outcome is Outcome.NO_ENGINE:
+            return self._no_engine(req)
+        return Rejected(Outcome.UPSTREAM_ERROR, "The engine failed to answer; retry shortly.")

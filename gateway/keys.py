@@ -18,3 +18,4 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 # per-request keys
 REQUEST_ID = web.RequestKey("request_id", str)
 TENANT = web.RequestKey("tenant", TenantQuota)
+RECORD = web.RequestKey("record", object)  # gateway.director.RequestRecord

@@ -119,6 +119,12 @@ class InferenceRequest:
         as in OpenAI's and vLLM's APIs); ``max_tokens`` when neither was sent."""
         return "max_completion_tokens" if "max_completion_tokens" in self.body else "max_tokens"
 
+    def apply_body(self, body: dict[str, Any]) -> None:
+        """Replace the forwarded body (degradation: output cap, fallback model)."""
+        self.body = body
+        self.model = body["model"]
+        self.max_output_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+
     def set_output_cap(self, tokens: int) -> None:
         """Set the output cap on the field the client used, never on both."""
         field = self.output_field

@@ -30,8 +30,10 @@ def make_config(engines: list[FakeEngine], *, gateway: dict[str, Any] | None = N
     for j, m in enumerate(models or []):  # configured models with no live engine
         specs.append({"name": f"ghost{j}", "model": m, "kind": "external",
                       "url": f"http://127.0.0.1:{free_port()}"})
+    gateway = {"port": 0, **(gateway or {})}
+    gateway.setdefault("cache", {"semantic": {"enabled": False}})  # no model load per test
     return Config(
-        gateway=GatewayConfig.model_validate({"port": 0, **(gateway or {})}),
+        gateway=GatewayConfig.model_validate(gateway),
         engines=EnginesConfig.model_validate({"engines": specs, "supervisor": FAST_SUPERVISOR}),
         tenants=TenantsConfig.model_validate(tenants or {"allow_anonymous": True}),
     )

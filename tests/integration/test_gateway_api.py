@@ -65,10 +65,10 @@ async def test_unknown_model_is_404(engines):
 async def test_body_limit_is_8_mib_by_default_and_413_above(engines):
     (fake,) = await engines(1)
     async with run_gateway(make_config([fake])) as gw:
-        big = {**CHAT, "messages": [{"role": "user", "content": "a" * (2 * 1024 * 1024)}]}
+        big = {**CHAT, "metadata": {"blob": "a" * (2 * 1024 * 1024)}}  # bytes, not tokens
         r = await gw.post("/v1/chat/completions", big)
         assert r.status == 200  # above aiohttp's own 1 MiB default
-        huge = {**CHAT, "messages": [{"role": "user", "content": "a" * (9 * 1024 * 1024)}]}
+        huge = {**CHAT, "metadata": {"blob": "a" * (9 * 1024 * 1024)}}
         r = await gw.post("/v1/chat/completions", huge)
         assert r.status == 413
         assert (await error_of(r))["code"] == "request_too_large"
