@@ -10,6 +10,7 @@ a restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -73,15 +74,11 @@ class TenantReloader:
     async def run(self) -> None:
         """Reload on SIGHUP and on changes to the file, until cancelled."""
         loop = asyncio.get_running_loop()
-        try:
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(signal.SIGHUP, self.reload)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
         try:
             async for _ in awatch(self.path, debounce=200, step=50):
                 self.reload()
         finally:
-            try:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(signal.SIGHUP)
-            except (NotImplementedError, RuntimeError):
-                pass
