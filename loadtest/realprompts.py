@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from loadtest.client import Measured, percentile_ms, send_measured
-from loadtest.workloads import arena_hard_prompts
+from loadtest.workloads.arena import read_prompts
 
 
 def summarize(results: list[Measured], wall_s: float) -> dict[str, Any]:
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--gateway-url")
     ap.add_argument("--engine-url")
     args = ap.parse_args(argv)
-    prompts = [p[: args.max_prompt_chars] for p in arena_hard_prompts()[: args.limit]]
+    prompts = [p[: args.max_prompt_chars] for p in read_prompts("v0.1")[: args.limit]]
     if args.gateway_url and args.engine_url:
         result = asyncio.run(measure(args.engine_url, args.gateway_url, args.model, prompts,
                                      args.max_tokens))
