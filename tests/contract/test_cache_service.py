@@ -13,6 +13,7 @@ from cache.service import CacheRequest, ResponseCache, open_cache
 from config.schema import CacheConfig, SemanticCacheConfig, TenantCache
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+DEFAULT_SETTINGS = TenantCache()
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +29,7 @@ def answer(text: str, finish: str = "stop") -> dict:
 
 
 def req(question: str, *, tenant: str = "a", model: str = "m", system: dict = SYSTEM,
-        settings: TenantCache = TenantCache(), **params) -> CacheRequest:
+        settings: TenantCache = DEFAULT_SETTINGS, **params) -> CacheRequest:
     body = {"model": model, "messages": [system, {"role": "user", "content": question}],
             "temperature": 0, **params}
     return CacheRequest(namespace=f"tenant:{tenant}", tenant=settings, endpoint="chat",
