@@ -276,11 +276,15 @@ class SaturationConfig(_Strict):
     """When an engine is saturated for admission (``limits.saturation``): KV-cache
     usage at or above ``kv_watermark`` (``batch_kv_watermark`` for batch, keeping
     headroom for online traffic), more than ``max_waiting`` requests waiting inside
-    the engine, or metrics older than ``supervisor.metrics_stale_s``."""
+    the engine, ``max_in_flight`` requests of this gateway already running on it, or
+    metrics older than ``supervisor.metrics_stale_s``."""
 
     kv_watermark: float = Field(0.9, gt=0, le=1, description="KV usage fraction 0-1")
     batch_kv_watermark: float = Field(0.8, gt=0, le=1, description="KV usage fraction 0-1")
     max_waiting: int = Field(4, ge=0, description="requests waiting in the engine")
+    max_in_flight: int | None = Field(
+        None, ge=1, description="requests this gateway keeps in flight on one engine "
+        "(None: no cap); the batch size that still meets the TPOT SLO")
 
     @model_validator(mode="after")
     def _order(self) -> SaturationConfig:

@@ -98,6 +98,7 @@ class EngineLoad(Protocol):
         block_size: tokens per KV block; None when unknown.
         num_blocks: KV blocks in the engine's cache; None when unknown.
         promised_blocks: KV blocks already promised to in-flight requests.
+        in_flight: requests this gateway process has sent to the engine and not finished.
         metrics_at: clock time of the metrics scrape, s; None before the first one.
     """
 
@@ -115,6 +116,9 @@ class EngineLoad(Protocol):
 
     @property
     def promised_blocks(self) -> int: ...
+
+    @property
+    def in_flight(self) -> int: ...
 
     @property
     def metrics_at(self) -> float | None: ...

@@ -10,7 +10,12 @@ priority when all hold:
    interactive and standard, ``batch_watermark`` for batch;
 3. at most ``max_waiting`` requests wait inside the engine (a growing engine queue
    means its scheduler has no room; the gateway's queue orders them better);
-4. when block size and count are known, the request's blocks
+4. when ``max_in_flight`` is set, fewer than that many of this gateway's requests
+   run on the engine: decode time per step grows with the batch, so the batch size
+   that still meets the TPOT SLO is a hard cap (the concurrency limit of a
+   closed-loop admission controller; vLLM's ``--max-num-seqs`` plays the same role
+   inside the engine, where the excess would wait unordered);
+5. when block size and count are known, the request's blocks
    ``ceil(tokens / block_size)`` fit ``num_blocks × (ceiling − usage) −
    promised_blocks``, where the ceiling is 1.0, or ``batch_watermark`` for batch.
 
@@ -47,14 +52,17 @@ class SaturationDetector:
         batch_watermark: the same for batch requests (default 0.8).
         max_waiting: most requests waiting inside the engine (default 4).
         stale_s: oldest usable metrics, s (default 5).
+        max_in_flight: most requests in flight per engine, or None (default) for no cap.
     """
 
     def __init__(self, watermark: float = 0.9, batch_watermark: float = 0.8,
-                 max_waiting: int = 4, stale_s: float = 5.0) -> None:
+                 max_waiting: int = 4, stale_s: float = 5.0,
+                 max_in_flight: int | None = None) -> None:
         self.watermark = watermark
         self.batch_watermark = batch_watermark
         self.max_waiting = max_waiting
         self.stale_s = stale_s
+        self.max_in_flight = max_in_flight
 
     @classmethod
     def from_config(cls, engines: EnginesConfig) -> SaturationDetector:
@@ -62,7 +70,7 @@ class SaturationDetector:
         ``supervisor.metrics_stale_s``."""
         s = engines.saturation
         return cls(s.kv_watermark, s.batch_kv_watermark, s.max_waiting,
-                   engines.supervisor.metrics_stale_s)
+                   engines.supervisor.metrics_stale_s, s.max_in_flight)
 
     def admits(self, load: EngineLoad, priority: Priority, tokens: int, now: float) -> bool:
         """Whether ``load``'s engine may take a ``priority`` request of ``tokens``
@@ -71,6 +79,8 @@ class SaturationDetector:
         if load.metrics_at is None or now - load.metrics_at > self.stale_s or usage is None:
             return False
         if load.num_waiting > self.max_waiting:
+            return False
+        if self.max_in_flight is not None and load.in_flight >= self.max_in_flight:
             return False
         batch = priority == "batch"
         if usage >= (self.batch_watermark if batch else self.watermark):

@@ -15,6 +15,7 @@ class Load:
     block_size: int | None = 16
     num_blocks: int | None = 1000
     promised_blocks: int = 0
+    in_flight: int = 0
     metrics_at: float | None = 100.0
 
 
@@ -68,11 +69,20 @@ def test_unknown_cache_geometry_skips_the_block_budget() -> None:
     assert detector.admits(load, "interactive", 10**6, NOW)
 
 
+def test_in_flight_cap() -> None:
+    capped = SaturationDetector(max_in_flight=3)
+    assert capped.admits(Load(in_flight=2), "interactive", 1, NOW)
+    assert not capped.admits(Load(in_flight=3), "interactive", 1, NOW)
+    assert detector.admits(Load(in_flight=10**6), "interactive", 1, NOW)  # no cap by default
+
+
 def test_from_config() -> None:
     cfg = EnginesConfig.model_validate({
-        "saturation": {"kv_watermark": 0.95, "batch_kv_watermark": 0.7, "max_waiting": 0},
+        "saturation": {"kv_watermark": 0.95, "batch_kv_watermark": 0.7, "max_waiting": 0,
+                       "max_in_flight": 8},
         "supervisor": {"metrics_stale_s": 2},
     })
     d = SaturationDetector.from_config(cfg)
-    assert (d.watermark, d.batch_watermark, d.max_waiting, d.stale_s) == (0.95, 0.7, 0, 2)
+    assert (d.watermark, d.batch_watermark, d.max_waiting, d.stale_s, d.max_in_flight) == (
+        0.95, 0.7, 0, 2, 8)
     assert not d.admits(replace(Load(), num_waiting=1), "interactive", 1, NOW)
