@@ -25,15 +25,15 @@ def hash_key(key: str) -> str:
 
 def presented_key(request: web.Request) -> str | None:
     """The key from ``Authorization: Bearer KEY`` or ``x-api-key: KEY``; None if
-    neither header is present."""
-    auth = request.headers.get("Authorization")
+    neither header carries a non-empty key."""
+    auth = (request.headers.get("Authorization") or "").strip()
     if auth:
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and token.strip():
-            return token.strip()
-        return auth.strip()  # present but malformed: still a key that must match
-    key = request.headers.get("x-api-key")
-    return key.strip() if key is not None else None
+        if scheme.lower() == "bearer":
+            return token.strip() or None  # "Bearer" with an empty token: no key
+        return auth  # present but not a bearer token: still a key that must match
+    key = (request.headers.get("x-api-key") or "").strip()
+    return key or None
 
 
 def is_loopback(remote: str | None) -> bool:

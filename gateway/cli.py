@@ -29,6 +29,7 @@ def _banner(cfg: Config, host: str, port: int) -> str:
     url = f"http://{host}:{port}"
     model = next(iter(cfg.engines.model_names()), "MODEL")
     key = "" if cfg.tenants.allow_anonymous else ' -H "Authorization: Bearer $SLUICE_KEY"'
+    sdk_key = "sk-sluice-local" if any(t.name == "local" for t in cfg.tenants.tenants) else "YOUR_KEY"
     return f"""
 Sluice is serving the OpenAI API at {url}/v1  (models: {', '.join(cfg.engines.model_names())})
 
@@ -36,7 +37,7 @@ Sluice is serving the OpenAI API at {url}/v1  (models: {', '.join(cfg.engines.mo
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}'
 
   from openai import OpenAI
-  client = OpenAI(base_url="{url}/v1", api_key="{'unused' if not key else 'YOUR_KEY'}")
+  client = OpenAI(base_url="{url}/v1", api_key="{sdk_key}")
   print(client.chat.completions.create(model="{model}",
         messages=[{{"role": "user", "content": "Hello"}}], max_tokens=32).choices[0].message.content)
 

@@ -29,15 +29,42 @@ class RunningGateway:
     proc: subprocess.Popen[bytes]
     url: str
 
-    def engine_urls(self) -> list[str]:
-        """``http://127.0.0.1:PORT`` of each engine process the gateway launched."""
-        urls = []
+    def engine_processes(self) -> list[psutil.Process]:
+        """The engine servers the gateway launched (vLLM API servers, simulators)."""
+        out = []
         for child in psutil.Process(self.proc.pid).children(recursive=True):
             cmd = child.cmdline()
             if "--port" in cmd and any("vllm.entrypoints" in c or "loadtest.sim_engine" in c
                                        for c in cmd):
-                urls.append(f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}")
-        return sorted(set(urls))
+                out.append(child)
+        return out
+
+    def engine_urls(self) -> list[str]:
+        """``http://127.0.0.1:PORT`` of each engine process the gateway launched."""
+        urls = set()
+        for proc in self.engine_processes():
+            cmd = proc.cmdline()
+            urls.add(f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}")
+        return sorted(urls)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until ``/ready`` answers 200.
+
+        Raises:
+            RuntimeError: the gateway exited. TimeoutError: not ready in time.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("gateway did not become ready")
+            time.sleep(0.5)
 
 
 @contextmanager
@@ -59,18 +86,7 @@ def gateway(config_dir: Path | None = None, *, ready_timeout_s: float = 600,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     gw = RunningGateway(proc, f"http://127.0.0.1:{port}")
     try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {proc.returncode}")
-            try:
-                if httpx.get(gw.url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("gateway did not become ready")
-            time.sleep(0.5)
+        gw.wait_ready(ready_timeout_s)
         yield gw
     finally:
         proc.send_signal(signal.SIGTERM)

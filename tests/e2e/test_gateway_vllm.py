@@ -6,77 +6,35 @@ The model is a base model: tests check structure, usage and behaviour, never con
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import openai
 import psutil
 import pytest
 
-from tests.conftest import free_port
+from loadtest.launch import RunningGateway, gateway
 
 pytestmark = pytest.mark.slow
 MODEL = "gemma3-270m"
 
 
-@dataclass
-class Served:
-    proc: subprocess.Popen[bytes]
-    url: str
-
-    def engine_process(self) -> psutil.Process:
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            cmd = " ".join(child.cmdline())
-            if "vllm.entrypoints.openai.api_server" in cmd:
-                return child
-        raise AssertionError("no engine process under the gateway")
-
-    def engine_url(self) -> str:
-        cmd = self.engine_process().cmdline()
-        return f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "gateway exited"
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("gateway not ready")
-
-
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Iterator[Served]:
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("gw") / "gateway.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    s = Served(proc, f"http://127.0.0.1:{port}")
-    try:
-        s.wait_ready(600)
-        yield s
-    finally:
-        children = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
-        gone, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, f"orphan engine processes: {alive}"
+def served(tmp_path_factory) -> Iterator[RunningGateway]:
+    log = tmp_path_factory.mktemp("gw") / "gateway.log"
+    with gateway(log_path=log) as gw:
+        children = psutil.Process(gw.proc.pid).children(recursive=True)
+        yield gw
+    _gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"orphan engine processes after SIGTERM: {alive}"
 
 
 @pytest.fixture
-def client(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+def client(served: RunningGateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="sk-sluice-local", max_retries=0)
 
 
 def test_models(client):
@@ -122,15 +80,15 @@ def _running(engine_url: str) -> float:
 
 
 def test_client_disconnect_lowers_engine_running(served):
-    engine = served.engine_url()
+    engine = served.engine_urls()[0]
     body = {"model": MODEL, "max_tokens": 1500, "stream": True, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Write a long story."}]}
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", served.url + "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            for _ in r.iter_raw():
-                if _running(engine) >= 1:
-                    break
+    with httpx.Client(timeout=30) as http, \
+            http.stream("POST", served.url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for _ in r.iter_raw():
+            if _running(engine) >= 1:
+                break
     deadline = time.monotonic() + 2.0
     while _running(engine) > 0 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -138,7 +96,7 @@ def test_client_disconnect_lowers_engine_running(served):
 
 
 def test_engine_killed_is_restarted(served, client):
-    victim = served.engine_process()
+    (victim,) = served.engine_processes()
     victim.send_signal(signal.SIGKILL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -148,7 +106,7 @@ def test_engine_killed_is_restarted(served, client):
     else:
         raise AssertionError("the killed engine was not marked unhealthy")
     served.wait_ready(300)
-    assert served.engine_process().pid != victim.pid
+    assert served.engine_processes()[0].pid != victim.pid
     r = client.chat.completions.create(model=MODEL, max_tokens=4,
                                        messages=[{"role": "user", "content": "Hi again"}])
     assert r.usage.completion_tokens > 0
