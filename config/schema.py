@@ -74,6 +74,9 @@ class QueueConfig(_Strict):
     max_requests: int = Field(256, ge=1)
     max_tokens: int = Field(2_000_000, ge=1, description="estimated tokens queued, tokens")
     default_max_wait_s: float = Field(30.0, gt=0)
+    quantum_tokens: int = Field(
+        1024, ge=1, description="fair-share (DRR) credit per turn for weight 1, tokens; "
+        "smaller is fairer over short periods, larger costs fewer turns per admission")
 
 
 class SemanticCacheConfig(_Strict):

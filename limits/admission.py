@@ -75,7 +75,9 @@ class AdmissionQueue(Generic[P]):
         clock: time source (monotonic s, the event loop's clock in production).
         retry_interval_s: placement is retried this often while tickets wait, even
             without :meth:`kick` (default 0.1 s).
-        quantum_tokens: DRR quantum for weight 1, tokens (default 4096).
+        quantum_tokens: DRR quantum for weight 1, tokens (default
+            ``QueueConfig.quantum_tokens``, 1024: a weight-1 tenant's turn lasts a few
+            typical requests, so fair share holds over seconds, not minutes).
         drain_tau_s: time constant of the drain-rate EWMA, s (default 10).
         max_retry_after_s: cap of suggested ``Retry-After``, s (default 60).
     """
@@ -87,7 +89,7 @@ class AdmissionQueue(Generic[P]):
         clock: Clock,
         *,
         retry_interval_s: float = 0.1,
-        quantum_tokens: int = 4096,
+        quantum_tokens: int | None = None,
         drain_tau_s: float = 10.0,
         max_retry_after_s: float = 60.0,
     ) -> None:
@@ -97,7 +99,7 @@ class AdmissionQueue(Generic[P]):
         self._retry_interval_s = retry_interval_s
         self._max_retry_after_s = max_retry_after_s
         self._bands: list[DeficitRoundRobin[_Waiter[P]]] = [
-            DeficitRoundRobin(quantum_tokens) for _ in PRIORITIES]
+            DeficitRoundRobin(quantum_tokens or config.quantum_tokens) for _ in PRIORITIES]
         # per band, queued waiters in arrival order (dicts keep insertion order)
         self._arrivals: list[dict[_Waiter[P], None]] = [{} for _ in PRIORITIES]
         self._tokens = 0
