@@ -81,7 +81,9 @@ class QueueConfig(_Strict):
 
 class SemanticCacheConfig(_Strict):
     enabled: bool = True
-    threshold: float = Field(0.86, ge=0, le=1, description="cosine similarity 0-1")
+    threshold: float = Field(
+        0.99, ge=0, le=1,
+        description="cosine similarity 0-1; calibrated by `python -m loadtest semcache`")
     max_entries_per_scope: int = Field(100_000, ge=1)
     max_scopes: int = Field(10_000, ge=1)
     max_total_entries: int = Field(
