@@ -14,7 +14,9 @@ included) in ~7.7 ms instead of ~10 ms for one short question on one core.
 thread encodes them. While the worker is busy, new requests accumulate and go
 together as the next batch (up to ``max_batch``); an idle worker starts at once, so
 a lone request pays no batching delay. ``window_ms`` > 0 additionally waits that long
-for company before encoding (more throughput, more latency).
+for company before encoding (more throughput, more latency). The last ``cache_size``
+vectors are kept by text, so a miss's question is not encoded twice (once for the
+lookup, once when its answer is stored).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -86,13 +89,17 @@ class BatchingEmbedder:
         embedder: the blocking encoder.
         max_batch: most texts per ``encode`` call.
         window_ms: extra wait for more requests once one arrived, ms (default 0).
+        cache_size: recent vectors kept by text (default 1024, ~1.6 MB; 0 disables).
 
     Attributes:
         encode_ms: wall time of the last ``encode`` call, ms (for benchmarks).
     """
 
-    def __init__(self, embedder: Embedder, max_batch: int = 32, window_ms: float = 0.0) -> None:
+    def __init__(self, embedder: Embedder, max_batch: int = 32, window_ms: float = 0.0,
+                 cache_size: int = 1024) -> None:
         self.embedder = embedder
+        self._recent: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cache_size = cache_size
         self.name, self.dim = embedder.name, embedder.dim
         self.encode_ms = 0.0
         self._max_batch = max_batch
@@ -103,12 +110,21 @@ class BatchingEmbedder:
 
     async def embed(self, text: str) -> np.ndarray:
         """The normalised vector of ``text`` (float32, shape ``(dim,)``)."""
+        vector = self._recent.get(text)
+        if vector is not None:
+            self._recent.move_to_end(text)
+            return vector
         if self._queue is None:
             self._queue = asyncio.Queue()
             self._worker = asyncio.get_running_loop().create_task(self._run())
         fut: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((text, fut))
-        return await fut
+        vector = await fut
+        if self._cache_size:
+            self._recent[text] = vector
+            if len(self._recent) > self._cache_size:
+                self._recent.popitem(last=False)
+        return vector
 
     def _encode_timed(self, texts: list[str]) -> np.ndarray:
         t0 = time.perf_counter()

@@ -156,7 +156,7 @@ async def test_two_instances_on_one_redis_share_exact_and_semantic_entries(
         assert hit is not None and hit.kind == "semantic"
         late = open_cache(cfg, BatchingEmbedder(minilm))  # a replica started later
         try:
-            assert (await late.lookup(req("how can i reset my password"))).kind == "semantic"
+            assert (await late.lookup(req("How can I reset my password?"))).kind == "semantic"
             assert await late.lookup(req("How can I reset my password?", tenant="b")) is None
         finally:
             await late.close()
@@ -210,3 +210,18 @@ async def test_embedder_matches_sentence_transformers_and_batches_concurrent_cal
     assert sum(counting.batches) == 12 and len(counting.batches) < 12
     assert max(counting.batches) <= 8
     assert all(v.dtype == np.float32 and v.shape == (384,) for v in vectors)
+
+
+async def test_a_recent_question_is_not_encoded_twice(minilm: MiniLMEmbedder):
+    counting = CountingEmbedder(minilm)
+    batching = BatchingEmbedder(counting, cache_size=2)
+    try:
+        first = await batching.embed("How do I reset my password?")
+        again = await batching.embed("How do I reset my password?")
+        assert counting.batches == [1] and np.array_equal(first, again)
+        await batching.embed("one")
+        await batching.embed("two")  # evicts the first question (cache_size 2)
+        await batching.embed("How do I reset my password?")
+        assert counting.batches == [1, 1, 1, 1]
+    finally:
+        await batching.close()
