@@ -138,10 +138,12 @@ class SemanticCache:
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _add_local(self, state: _Scope, vectors: np.ndarray, queries: Sequence[str],
-                         exacts: Sequence[str]) -> None:
-        self._entries += await self._run(self._ingest, state.index, vectors, queries, exacts)
-        self._evict()
+    async def _add_local(self, scope: str, state: _Scope, vectors: np.ndarray,
+                         queries: Sequence[str], exacts: Sequence[str]) -> None:
+        added = await self._run(self._ingest, state.index, vectors, queries, exacts)
+        if self._scopes.get(scope) is state:  # not evicted meanwhile
+            self._entries += added
+            self._evict()
 
     async def _sync(self, scope: str, state: _Scope) -> None:
         """Append to the local index what the scope's stream gained since ``last_id``."""
@@ -154,7 +156,7 @@ class SemanticCache:
                     return
                 state.last_id = rows[-1][0].decode()
                 vectors = np.frombuffer(b"".join(f[b"v"] for _, f in rows), dtype=np.float32)
-                await self._add_local(state, vectors.reshape(len(rows), -1),
+                await self._add_local(scope, state, vectors.reshape(len(rows), -1),
                                       [f[b"q"].decode() for _, f in rows],
                                       [f[b"k"].decode() for _, f in rows])
                 if len(rows) < _READ_COUNT:
@@ -196,14 +198,15 @@ class SemanticCache:
         """Bulk-add precomputed vectors (shape ``(n, dim)``, normalised) to this
         process' index for ``scope`` without embedding or Redis (benchmarks, warm
         starts from a snapshot)."""
-        await self._add_local(self._scope(scope), vectors, queries, exacts)
+        await self._add_local(scope, self._scope(scope), vectors, queries, exacts)
 
     async def add(self, scope: str, query: str, exact: str, ttl_s: float) -> None:
         """Remember that ``query`` in ``scope`` is answered by the entry ``exact``;
         with Redis the entry is shared and its stream lives ≥ ``ttl_s`` seconds."""
         vector = await self.embedder.embed(query)
         if self.redis is None:
-            await self._add_local(self._scope(scope), vector.reshape(1, -1), [query], [exact])
+            await self._add_local(scope, self._scope(scope), vector.reshape(1, -1), [query],
+                                  [exact])
             return
         key, ttl_ms = self._stream(scope), max(1, int(ttl_s * 1000))
         async with self.redis.pipeline(transaction=False) as pipe:

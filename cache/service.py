@@ -8,6 +8,8 @@ responses qualify is :mod:`cache.policy`; keys are :mod:`cache.keys`.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,6 +23,12 @@ from cache.policy import request_cacheable, response_storable
 from cache.semantic import SemanticCache
 from cache.stores import MemoryByteStore, RedisByteStore
 from config.schema import CacheConfig, TenantCache
+
+log = logging.getLogger(__name__)
+
+#: Failures of the shared store that make the cache step aside (fail open).
+STORE_ERRORS: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError,
+                                                  asyncio.TimeoutError)
 
 
 @dataclass(frozen=True)
@@ -76,9 +84,18 @@ class ResponseCache:
         return self.cfg.enabled and not req.no_cache and request_cacheable(req.body, req.tenant)
 
     async def lookup(self, req: CacheRequest) -> CacheHit | None:
-        """The cached answer to ``req``, or None (miss, or not :meth:`eligible`)."""
+        """The cached answer to ``req``, or None (miss, or not :meth:`eligible`). A
+        store failure (Redis down or slow) is logged and answers None: the cache fails
+        open, it never fails the request."""
         if not self.eligible(req):
             return None
+        try:
+            return await self._lookup(req)
+        except STORE_ERRORS as exc:
+            log.warning("cache lookup failed, treated as a miss: %r", exc)
+            return None
+
+    async def _lookup(self, req: CacheRequest) -> CacheHit | None:
         key = make_key(req.namespace, req.endpoint, req.model, req.body)
         response = await self.exact.get(key.exact)
         if response is not None:
@@ -96,16 +113,24 @@ class ResponseCache:
 
     async def store(self, req: CacheRequest, response: dict[str, Any]) -> bool:
         """Keep ``response`` (the complete non-streaming body) for ``req`` if the
-        policy allows; returns whether it was stored."""
+        policy allows; returns whether it was stored (False also when the store
+        failed; logged)."""
         if not (self.cfg.enabled and not req.no_store
                 and request_cacheable(req.body, req.tenant) and response_storable(response)):
             return False
+        try:
+            await self._store(req, response)
+        except STORE_ERRORS as exc:
+            log.warning("cache store failed, answer not cached: %r", exc)
+            return False
+        return True
+
+    async def _store(self, req: CacheRequest, response: dict[str, Any]) -> None:
         key = make_key(req.namespace, req.endpoint, req.model, req.body)
         ttl_s = req.tenant.ttl_s or self.cfg.default_ttl_s
         await self.exact.put(key.exact, response, ttl_s)
         if self.semantic is not None and key.scope is not None and key.query is not None:
             await self.semantic.add(key.scope, key.query, key.exact, ttl_s)
-        return True
 
     async def close(self) -> None:
         """Close the semantic index thread, the embedder and the store; idempotent."""
@@ -116,6 +141,8 @@ class ResponseCache:
 
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+#: Connect and per-command timeout for the cache's Redis, s: a slow cache is a miss.
+REDIS_TIMEOUT_S = 0.5
 
 
 def open_cache(cfg: CacheConfig, embedder: BatchingEmbedder | None = None) -> ResponseCache:
@@ -129,7 +156,8 @@ def open_cache(cfg: CacheConfig, embedder: BatchingEmbedder | None = None) -> Re
     if cfg.store_url.startswith("memory://"):
         store = MemoryByteStore(cfg.max_bytes)
     elif cfg.store_url.startswith(REDIS_SCHEMES):
-        redis = aioredis.Redis.from_url(cfg.store_url)
+        redis = aioredis.Redis.from_url(cfg.store_url, socket_timeout=REDIS_TIMEOUT_S,
+                                        socket_connect_timeout=REDIS_TIMEOUT_S)
         store = RedisByteStore(redis)
     else:
         raise ValueError(f"cache.store_url must be memory:// or redis://, got {cfg.store_url!r}")

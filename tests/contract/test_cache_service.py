@@ -225,3 +225,17 @@ async def test_a_recent_question_is_not_encoded_twice(minilm: MiniLMEmbedder):
         assert counting.batches == [1, 1, 1, 1]
     finally:
         await batching.close()
+
+
+async def test_redis_outage_is_a_miss_not_an_error(redis_server, redis_url: str,
+                                                   minilm: MiniLMEmbedder):
+    cache = open_cache(CacheConfig(store_url=redis_url), BatchingEmbedder(minilm))
+    try:
+        assert await cache.store(req("How do I reset my password?"), answer("Use the link."))
+        redis_server.stop()
+        assert await cache.lookup(req("How do I reset my password?")) is None
+        assert await cache.lookup(req("How can I reset my password?")) is None
+        assert not await cache.store(req("What is 2 + 2?"), answer("4"))
+    finally:
+        redis_server.start()
+        await cache.close()
