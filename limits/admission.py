@@ -188,13 +188,21 @@ class AdmissionQueue(Generic[P]):
         """Estimated tokens of the waiting tickets."""
         return self._tokens
 
-    def retry_after_s(self) -> int:
-        """Suggested ``Retry-After``: seconds to drain the backlog plus one request at
-        the observed drain rate, at least 1, at most ``max_retry_after_s``; before
-        anything drained, ``QueueConfig.default_max_wait_s``."""
+    def predicted_wait_s(self, priority: Priority | None = None) -> float:
+        """Seconds a new ticket would wait: the tickets ahead of it plus itself over
+        the observed drain rate (admissions/s); before anything drained,
+        ``QueueConfig.default_max_wait_s``. With ``priority``, only tickets of that band
+        and more urgent ones count (strict priority: less urgent bands wait behind
+        it); without, the whole backlog."""
+        ahead = len(self) if priority is None else sum(
+            len(a) for a in self._arrivals[:PRIORITIES.index(priority) + 1])
         rate = self._drain.rate(self._clock.now())
-        wait_s = (len(self) + 1) / rate if rate > 0 else self.config.default_max_wait_s
-        return max(1, math.ceil(min(wait_s, self._max_retry_after_s)))
+        return (ahead + 1) / rate if rate > 0 else self.config.default_max_wait_s
+
+    def retry_after_s(self) -> int:
+        """Suggested ``Retry-After``: :meth:`predicted_wait_s` for the whole backlog,
+        rounded up, at least 1, at most ``max_retry_after_s``."""
+        return max(1, math.ceil(min(self.predicted_wait_s(), self._max_retry_after_s)))
 
     def close(self) -> None:
         """Reject every waiting ticket (``OVERLOADED``, reason ``shutdown``) and stop

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 
 import pytest
@@ -214,3 +215,20 @@ async def test_retry_after_follows_the_drain_rate() -> None:
         await q.admit(q.ticket(quota(), 1), cap.place, cap.undo)
     assert q.retry_after_s() == 1
     assert isinstance(q.retry_after_s(), int)
+
+
+async def test_predicted_wait_counts_only_bands_ahead() -> None:
+    q, cap = make_queue(default_max_wait_s=7), Capacity(0)
+    assert q.predicted_wait_s() == 7  # nothing drained yet
+    tasks = [start(q, cap, q.ticket(quota("b", priority="batch"), 10)) for _ in range(9)]
+    tasks.append(start(q, cap, q.ticket(quota("s"), 10)))
+    await settle_loop()
+    cap.slots = 1
+    q.kick()
+    await settle_loop()  # the standard ticket went first: one admission drained
+    whole = q.predicted_wait_s()  # 9 batch + 1 new over the drain rate
+    assert q.predicted_wait_s("standard") == pytest.approx(whole / 10, rel=1e-3)
+    assert q.predicted_wait_s("batch") == pytest.approx(whole, rel=1e-3)
+    assert q.retry_after_s() == math.ceil(whole)
+    q.close()
+    await asyncio.gather(*tasks, return_exceptions=True)
