@@ -190,7 +190,8 @@ class Director:
         """The degradation ladder for a sheddable request on a saturated model (one
         whose queue is not empty or where no engine has room now): climb one rung at a
         time (cap output, then fallback model) while still saturated; past the last
-        rung, shed the request if the queue's predicted wait (backlog / drain rate)
+        rung, shed the request if its predicted queue wait (tickets of its band and
+        more urgent ones / drain rate)
         exceeds what it may wait.
 
         Raises:
@@ -215,7 +216,7 @@ class Director:
             rec.degraded = d.actions
             req.apply_body(d.body)
         queue = self.queues[req.model]
-        if saturated() and len(queue) and queue.retry_after_s() > max_wait_s:
+        if saturated() and len(queue) and queue.predicted_wait_s(tenant.priority) > max_wait_s:
             degrade(original, priority=tenant.priority, config=dcfg, level=rungs + 1,
                     retry_after_s=queue.retry_after_s())
 
