@@ -12,55 +12,32 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Tracer
 
 from cache.replay import as_json, as_sse
 from cache.service import CacheHit, CacheRequest, ResponseCache
 from config.schema import Config, TenantQuota
 from engines.pool import Engine, EnginePool
+from engines.prompt import PromptBlocks, PromptInput, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
-from gateway.keys import RECORD, REQUEST_ID, TENANT
+from gateway.keys import RECORD, TENANT
 from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_request
 from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
+from gateway.record import RequestRecord
+from gateway.tracing import inject_traceparent
 from limits.admission import AdmissionQueue
 from limits.degrade import DEGRADED_HEADER, degrade
 from limits.outcome import Outcome, Rejected
-from limits.rate_limit import RateLimiter
+from limits.rate_limit import RateLimiter, Reservation
 from limits.saturation import SaturationDetector, kv_blocks
 
 #: Retry-After, s, when no engine serving the model is ready (engines restart with
 #: backoff starting at 1 s; a few seconds is the honest order of magnitude).
 NO_ENGINE_RETRY_S = 5
-
-
-@dataclass
-class RequestRecord:
-    """What the pipeline learned about one request (for logs, metrics, traces).
-
-    Times in seconds; ``cache`` is ``hit-exact``, ``hit-semantic``, ``miss`` or
-    ``bypass``; ``degraded`` lists the degradation actions applied.
-    """
-
-    request_id: str
-    tenant: str
-    priority: str = "standard"
-    model: str | None = None
-    engine: str | None = None
-    scores: dict[str, float] = field(default_factory=dict)
-    outcome: Outcome = Outcome.OK
-    reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    queue_s: float = 0.0
-    ttft_s: float | None = None
-    cache: str = "bypass"
-    degraded: tuple[str, ...] = ()
-    stream: bool = False
-    finish_reasons: list[str] = field(default_factory=list)
-    started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -104,7 +81,7 @@ class Director:
     def __init__(self, cfg: Config, pool: EnginePool, scheduler: Scheduler,
                  client: EngineClient, limiter: RateLimiter,
                  queues: dict[str, AdmissionQueue[Placement]], detector: SaturationDetector,
-                 cache: ResponseCache | None) -> None:
+                 cache: ResponseCache | None, tracer: Tracer | None = None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.scheduler = scheduler
@@ -113,8 +90,13 @@ class Director:
         self.queues = queues
         self.detector = detector
         self.cache = cache
+        self.tracer = tracer or trace.NoOpTracer()
+        self.prompts = PromptBlocks(cfg.engines, pool)
+        #: models whose every engine accepts vLLM's ``cache_salt``
+        self._salted = {m for m in cfg.engines.model_names()
+                        if cfg.engines.scheduler.prefix.cache_salt
+                        and all(s.accepts_cache_salt for s in cfg.engines.engines if s.model == m)}
         self.default_output_tokens = cfg.gateway.default_output_tokens
-        self.on_finish: list[Callable[[RequestRecord], None]] = []
         self._background: set[asyncio.Task[object]] = set()
 
     # ------------------------------------------------------------------ checks
@@ -161,20 +143,30 @@ class Director:
                 if e.routable and e.id not in exclude
                 and self.detector.admits(e, tenant.priority, tokens, now)]
 
-    def _place(self, req: InferenceRequest, tenant: TenantQuota,
+    async def _sched_request(self, request: web.Request, req: InferenceRequest,
+                             tenant: TenantQuota) -> SchedRequest:
+        """The scheduler's view of ``req``, prompt blocks computed once per request."""
+        salt = req.body.get("cache_salt") if req.model in self._salted else None
+        blocks = await self.prompts.blocks(req.model, PromptInput.from_body(req.body), salt)
+        return SchedRequest(model=req.model, tenant=tenant.name,
+                            prompt_tokens=req.prompt_tokens, priority=tenant.priority,
+                            blocks=blocks, block_size=self.prompts.block_size(req.model),
+                            session_id=request.headers.get("x-session-id") or None)
+
+    def _place(self, req: InferenceRequest, tenant: TenantQuota, sreq: SchedRequest,
                exclude: frozenset[str] = frozenset()) -> Placement | None:
         """Choose an engine with room and take its lease, or None (synchronous: the
         admission queue calls it)."""
         candidates = self._candidates(req, tenant, exclude)
         if not candidates:
             return None
-        sreq = SchedRequest(model=req.model, tenant=tenant.name,
-                            prompt_tokens=req.prompt_tokens, priority=tenant.priority)
-        decision = self.scheduler.pick(sreq, candidates, time.monotonic())
+        now = time.monotonic()
+        decision = self.scheduler.pick(sreq, candidates, now)
         if decision is None:
             return None
         blocks = kv_blocks(self._tokens(req), decision.engine.block_size)
         self.pool.acquire(decision.engine, blocks)
+        self.scheduler.record(sreq, decision.engine, now)
         return Placement(decision.engine, blocks, decision.scores)
 
     def _release(self, placement: Placement) -> None:
@@ -224,25 +216,26 @@ class Director:
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         tenant = request[TENANT]
-        rec = RequestRecord(request_id=request[REQUEST_ID], tenant=tenant.name,
-                            priority=tenant.priority)
-        request[RECORD] = rec
+        rec = request[RECORD]
+        rec.inference, rec.priority = True, tenant.priority
         try:
             req = parse_request(endpoint, parse_json(await request.read()))
             rec.model, rec.stream = req.model, req.stream
             self._check_model(tenant, req)
             self._apply_tenant_caps(tenant, req)
+            if req.model in self._salted:  # before the cache key: lookup and store agree
+                req.body["cache_salt"] = cache_salt(tenant.namespace, req.body.get("cache_salt"))
             timeout_s = _request_timeout(request)
             creq = self._cache_request(request, tenant, req)
             if creq is not None and self.cache.eligible(creq):  # type: ignore[union-attr]
                 rec.cache = "miss"
-                hit = await self.cache.lookup(creq)  # type: ignore[union-attr]
+                with self.tracer.start_as_current_span("cache.lookup") as span:
+                    hit = await self.cache.lookup(creq)  # type: ignore[union-attr]
+                    span.set_attribute("sluice.cache.hit", hit.kind if hit else "miss")
                 if hit is not None:
-                    async with await self.limiter.reserve(tenant, 0, request_id=rec.request_id,
-                                                          concurrency=False):
+                    async with await self._reserve(tenant, 0, rec, concurrency=False):
                         return await self._answer_from_cache(request, req, hit, rec)
-            async with await self.limiter.reserve(tenant, self._tokens(req),
-                                                  request_id=rec.request_id) as reservation:
+            async with await self._reserve(tenant, self._tokens(req), rec) as reservation:
                 try:
                     result = await self._admit_and_send(request, req, tenant, rec, timeout_s)
                 finally:
@@ -250,15 +243,16 @@ class Director:
             if creq is not None and result.answer is not None:
                 self._store_later(creq, req, result.answer)
             return result.response
-        except Rejected as rej:
-            rec.outcome, rec.reason = rej.outcome, rej.reason
-            raise
         except asyncio.CancelledError:
             rec.outcome = Outcome.CLIENT_DISCONNECTED
             raise
-        finally:
-            for fn in self.on_finish:
-                fn(rec)
+
+    async def _reserve(self, tenant: TenantQuota, tokens: int, rec: RequestRecord, *,
+                       concurrency: bool = True) -> Reservation:
+        with self.tracer.start_as_current_span("ratelimit.reserve") as span:
+            span.set_attribute("sluice.reserved_tokens", tokens)
+            return await self.limiter.reserve(tenant, tokens, request_id=rec.request_id,
+                                              concurrency=concurrency)
 
     def _cache_request(self, request: web.Request, tenant: TenantQuota,
                        req: InferenceRequest) -> CacheRequest | None:
@@ -314,21 +308,37 @@ class Director:
         max_wait = min(tenant.max_queue_wait_s or self.cfg.gateway.queue.default_max_wait_s,
                        timeout_s or math.inf)
         self._degrade(req, tenant, rec, max_wait)
+        sreq = await self._sched_request(request, req, tenant)
         queue = self.queues[req.model]
         ticket = queue.ticket(tenant, self._tokens(req), request_id=rec.request_id,
                               timeout_s=timeout_s)
-        placement = await queue.admit(ticket, lambda _t: self._place(req, tenant), self._release)
-        rec.queue_s = ticket.queue_wait_s or 0.0
+        with self.tracer.start_as_current_span("queue.wait") as span:
+            span.set_attribute("sluice.priority", tenant.priority)
+            span.set_attribute("sluice.queue_depth", len(queue))
+            waited_from = time.perf_counter()
+            try:
+                placement = await queue.admit(ticket, lambda _t: self._place(req, tenant, sreq),
+                                              self._release)
+            finally:
+                rec.queue_s = time.perf_counter() - waited_from
         tried: set[str] = set()
         while True:
             rec.engine, rec.scores = placement.engine.id, placement.scores
+            with self.tracer.start_as_current_span("schedule") as span:
+                span.set_attribute("sluice.engine", placement.engine.id)
+                for name, score in placement.scores.items():
+                    span.set_attribute(f"sluice.score.{name}", score)
             headers = {"x-request-id": rec.request_id, "x-sluice-engine": placement.engine.id,
                        "x-sluice-queue-ms": f"{rec.queue_s * 1000:.1f}", "x-sluice-cache": rec.cache}
             if rec.degraded:
                 headers[DEGRADED_HEADER] = ", ".join(rec.degraded)
             try:
-                result = await self.client.send(placement.engine, req, request, headers,
-                                                {"x-request-id": rec.request_id})
+                with self.tracer.start_as_current_span("upstream", kind=SpanKind.CLIENT) as span:
+                    span.set_attribute("sluice.engine", placement.engine.id)
+                    upstream = {"x-request-id": rec.request_id}
+                    inject_traceparent(upstream)
+                    result = await self.client.send(placement.engine, req, request, headers,
+                                                    upstream)
                 rec.outcome, rec.ttft_s = result.outcome, result.ttft_s
                 rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens
                 rec.finish_reasons = result.finish_reasons
@@ -336,7 +346,7 @@ class Director:
             except UpstreamFailed as failed:
                 tried.add(placement.engine.id)
                 retry = failed.retryable and len(tried) < self.cfg.gateway.retry_attempts
-                nxt = self._place(req, tenant, frozenset(tried)) if retry else None
+                nxt = self._place(req, tenant, sreq, frozenset(tried)) if retry else None
                 if nxt is None:
                     raise self._final_error(req, failed) from None
             except asyncio.CancelledError:

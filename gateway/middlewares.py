@@ -1,22 +1,30 @@
-"""Middlewares, outermost first: request id and error mapping; authentication.
+"""Middlewares, outermost first: request record, request id and error mapping;
+authentication.
 
 Any exception becomes an OpenAI-style error body: :class:`Rejected` with its own
 outcome, aiohttp's HTTP exceptions by status (404, 405, 413), anything else a
-logged 500 ``internal_error`` without a traceback in the body.
+logged 500 ``internal_error`` without a traceback in the body. Every request that
+reached ``/v1/`` is handed, once it ends, to the app's observers (metrics, access
+log, stats feed) as a :class:`~gateway.record.RequestRecord`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from opentelemetry.trace import SpanKind
 
 from gateway.auth import presented_key
 from gateway.errors import error_response
-from gateway.keys import CONFIG, REQUEST_ID, TENANT, TENANTS
+from gateway.keys import CONFIG, OBSERVERS, RECORD, REQUEST_ID, TENANT, TENANTS, TRACER
+from gateway.record import RequestRecord
+from gateway.tracing import PROPAGATOR, finish_span
 from limits.outcome import Outcome, Rejected
 
 log = logging.getLogger("sluice.gateway")
@@ -35,30 +43,62 @@ def request_id_of(request: web.Request) -> str:
     return given if _SAFE_ID.match(given) else uuid.uuid4().hex
 
 
+def _error(request: web.Request, exc: BaseException, rid: str) -> web.Response:
+    if isinstance(exc, Rejected):
+        return error_response(exc)
+    if isinstance(exc, web.HTTPException):
+        outcome, message = _HTTP_OUTCOMES.get(
+            exc.status, (Outcome.INVALID_REQUEST, exc.reason or "Bad request."))
+        if exc.status == 413:
+            limit = request.app[CONFIG].gateway.max_body_bytes
+            message = f"Request body is larger than the limit of {limit} bytes."
+        return error_response(Rejected(outcome, message))
+    log.error("unhandled error in request %s", rid, exc_info=exc)
+    return error_response(Rejected(
+        Outcome.INTERNAL_ERROR, f"Internal error; see the gateway log for request id {rid}."))
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     rid = request_id_of(request)
     request[REQUEST_ID] = rid
+    rec = RequestRecord(request_id=rid, path=request.path)
+    request[RECORD] = rec
+    if not request.path.startswith("/v1/"):
+        return await _run(request, handler, rec)
+    parent = PROPAGATOR.extract(request.headers)
+    with request.app[TRACER].start_as_current_span(
+            f"{request.method} {request.path}", context=parent, kind=SpanKind.SERVER) as span:
+        try:
+            return await _run(request, handler, rec)
+        finally:
+            rec.duration_s = time.perf_counter() - rec.started
+            finish_span(span, rec)
+            for observe in request.app[OBSERVERS]:
+                observe(rec)
+
+
+async def _run(request: web.Request, handler: Handler, rec: RequestRecord) -> web.StreamResponse:
     try:
         resp = await handler(request)
-    except Rejected as rej:
-        resp = error_response(rej)
-    except web.HTTPException as exc:
-        if exc.status < 400:
+    except asyncio.CancelledError:
+        rec.outcome, rec.status = Outcome.CLIENT_DISCONNECTED, 499
+        raise
+    except Exception as exc:
+        if isinstance(exc, web.HTTPException) and exc.status < 400:
             raise
-        outcome, message = _HTTP_OUTCOMES.get(
-            exc.status, (Outcome.INVALID_REQUEST, exc.reason or "Bad request.")
-        )
-        if exc.status == 413:
-            limit = request.app[CONFIG].gateway.max_body_bytes
-            message = f"Request body is larger than the limit of {limit} bytes."
-        resp = error_response(Rejected(outcome, message))
-    except Exception:
-        log.exception("unhandled error in request %s", rid)
-        resp = error_response(Rejected(Outcome.INTERNAL_ERROR, "Internal error; see gateway log "
-                                       f"for request id {rid}."))
+        resp = _error(request, exc, rec.request_id)
+        if isinstance(exc, Rejected):
+            rec.outcome, rec.reason = exc.outcome, exc.reason
+        else:
+            rec.outcome = _HTTP_OUTCOMES.get(getattr(exc, "status", 500),
+                                             (Outcome.INTERNAL_ERROR, ""))[0]
     if not resp.prepared:
-        resp.headers["x-request-id"] = rid
+        resp.headers["x-request-id"] = rec.request_id
+        if rec.inference and "x-sluice-cache" not in resp.headers:
+            resp.headers["x-sluice-cache"] = rec.cache
+    if rec.outcome is not Outcome.CLIENT_DISCONNECTED:
+        rec.status = resp.status
     return resp
 
 
@@ -67,5 +107,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     """Resolve the tenant for ``/v1/`` paths; other paths are public or check their
     own (admin) key."""
     if request.path.startswith("/v1/"):
-        request[TENANT] = request.app[TENANTS].resolve(presented_key(request), request.remote)
+        tenant = request.app[TENANTS].resolve(presented_key(request), request.remote)
+        request[TENANT] = tenant
+        request[RECORD].tenant = tenant.name
     return await handler(request)

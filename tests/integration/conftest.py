@@ -61,8 +61,9 @@ class Gateway:
 
 
 @asynccontextmanager
-async def run_gateway(cfg: Config, ready: int | None = None) -> AsyncIterator[Gateway]:
-    app = create_app(cfg)
+async def run_gateway(cfg: Config, ready: int | None = None,
+                      app: web.Application | None = None) -> AsyncIterator[Gateway]:
+    app = app if app is not None else create_app(cfg)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2)
     await runner.setup()
     port = free_port()

@@ -31,6 +31,7 @@ class FakeEngine:
     model: str = "fake-model"
     reply: str = "Hello from the fake engine, naïve café 日本語 🚀 done."
     mode: str = "ok"
+    kv_usage: float = 0.1
     delay_s: float = 0.0
     running: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
@@ -75,7 +76,7 @@ class FakeEngine:
         text = (
             f"vllm:num_requests_running{{{labels}}} {self.running}\n"
             f"vllm:num_requests_waiting{{{labels}}} 0\n"
-            f"vllm:kv_cache_usage_perc{{{labels}}} 0.1\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} {self.kv_usage}\n"
             f"vllm:prefix_cache_queries_total{{{labels}}} 0\n"
             f"vllm:prefix_cache_hits_total{{{labels}}} 0\n"
             f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="1000",{labels}}} 1\n'

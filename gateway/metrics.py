@@ -1,0 +1,181 @@
+"""Prometheus metrics (``/metrics``), named by Prometheus conventions: base units in
+names, ``_total`` counters, ``_seconds`` histograms.
+
+Request-level series are recorded once per finished request from its
+:class:`~gateway.record.RequestRecord`; fleet gauges (engines, queues) are read from
+the engine pool and the admission queues at scrape time, so nothing is counted twice.
+Label cardinality is bounded: ``tenant`` is a configured tenant, ``anonymous`` or
+``unknown``; ``model`` a configured model or ``unknown``; no ids or prompts.
+
+Histogram buckets: TTFT and request duration span 10 ms – 10 min (CPU engines and long
+generations), TPOT 5 ms – 1 s (vLLM's own ``vllm:inter_token_latency_seconds`` uses a
+similar 10 ms – 2.5 s range, vllm/v1/metrics/loggers.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engines.pool import EnginePool, EngineState
+from gateway.record import RequestRecord
+from limits.outcome import Outcome
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 600)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+#: Outcomes that are counted as rejections (shed, rate limited, refused), by tenant.
+REJECTIONS = {Outcome.RATE_LIMITED, Outcome.OVERLOADED, Outcome.QUEUE_TIMEOUT,
+              Outcome.NO_ENGINE, Outcome.CONTEXT_LENGTH_EXCEEDED, Outcome.UNAUTHORIZED}
+
+
+def rejection_reason(rec: RequestRecord) -> str:
+    """``outcome`` or ``outcome:reason`` (e.g. ``rate_limited:tokens_per_min``)."""
+    outcome = rec.outcome.value
+    return outcome if rec.reason in (None, outcome) else f"{outcome}:{rec.reason}"
+
+
+class GatewayMetrics:
+    """All of the gateway's series, in a private registry (one per app).
+
+    Args:
+        models: configured model names (others are labelled ``unknown``).
+        semantic: whether semantic lookups follow exact misses.
+    """
+
+    def __init__(self, models: list[str], *, semantic: bool) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.models = set(models)
+        self.semantic = semantic
+        r = self.registry
+        self.requests = Counter("sluice_requests", "Requests by outcome.",
+                                ["tenant", "model", "outcome", "status"], registry=r)
+        self.duration = Histogram("sluice_request_duration_seconds", "Request duration.",
+                                  ["model", "engine"], buckets=DURATION_BUCKETS, registry=r)
+        self.ttft = Histogram("sluice_ttft_seconds", "Time to first token.",
+                              ["model", "engine"], buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("sluice_tpot_seconds", "Time per output token after the first.",
+                              ["model", "engine"], buckets=TPOT_BUCKETS, registry=r)
+        self.queue_wait = Histogram("sluice_queue_wait_seconds", "Wait in the admission queue.",
+                                    ["model", "priority"], buckets=QUEUE_BUCKETS, registry=r)
+        self.rejected = Counter("sluice_rejected", "Requests refused, shed or rate limited.",
+                                ["tenant", "reason"], registry=r)
+        self.degraded = Counter("sluice_degraded", "Degradation actions applied.",
+                                ["model", "action"], registry=r)
+        self.tokens = Counter("sluice_tokens", "Tokens processed.", ["tenant", "model", "kind"],
+                              registry=r)
+        self.cache = Counter("sluice_cache_lookups", "Response cache lookups.",
+                             ["kind", "result"], registry=r)
+        self.reloads = Counter("sluice_config_reloads", "Configuration reloads.", ["result"],
+                               registry=r)
+        self._prefix: dict[str, list[float]] = {}  # engine id -> [sum of ratios, count]
+
+    def _model(self, model: str | None) -> str:
+        return model if model in self.models else "unknown"
+
+    def observe(self, rec: RequestRecord) -> None:
+        """Record one finished request."""
+        model = self._model(rec.model)
+        engine = rec.engine or "none"
+        self.requests.labels(rec.tenant, model, rec.outcome.value, str(rec.status)).inc()
+        if rec.outcome in REJECTIONS:
+            self.rejected.labels(rec.tenant, rejection_reason(rec)).inc()
+        if not rec.inference:
+            return
+        for action in rec.degraded:
+            self.degraded.labels(model, action.split("=", 1)[0]).inc()
+        if rec.cache != "bypass":
+            self.cache.labels("exact", "hit" if rec.cache == "hit-exact" else "miss").inc()
+            if self.semantic and rec.cache != "hit-exact":
+                self.cache.labels("semantic", "hit" if rec.cache == "hit-semantic" else "miss").inc()
+        if rec.queue_s is not None:
+            self.queue_wait.labels(model, rec.priority).observe(rec.queue_s)
+        if rec.outcome not in (Outcome.OK, Outcome.CACHE_HIT, Outcome.CLIENT_DISCONNECTED):
+            return
+        self.tokens.labels(rec.tenant, model, "prompt").inc(rec.prompt_tokens)
+        self.tokens.labels(rec.tenant, model, "completion").inc(rec.completion_tokens)
+        self.duration.labels(model, engine).observe(rec.duration_s)
+        if rec.ttft_s is not None:
+            self.ttft.labels(model, engine).observe(rec.ttft_s)
+        tpot = rec.tpot_s
+        if tpot is not None:
+            self.tpot.labels(model, engine).observe(tpot)
+        ratio = rec.scores.get("prefix-affinity")
+        if rec.engine and ratio is not None:
+            acc = self._prefix.setdefault(rec.engine, [0.0, 0.0])
+            acc[0] += ratio
+            acc[1] += 1
+
+    def prefix_match_ratio(self, engine_id: str) -> float | None:
+        """Mean prefix-affinity score (matched leading blocks / prompt blocks, 0–1) of
+        the requests routed to ``engine_id``; None before any."""
+        acc = self._prefix.get(engine_id)
+        return acc[0] / acc[1] if acc and acc[1] else None
+
+    def on_reload(self, result: str) -> None:
+        self.reloads.labels(result).inc()
+
+
+class FleetCollector(Collector):
+    """Engine and queue gauges, read from live objects at scrape time.
+
+    Args:
+        pool: the engine pool.
+        queues: returns ``{model: queue}`` where each queue has ``depth() ->
+            {priority: n}`` (the admission queues; empty before start-up).
+        metrics: for the per-engine prefix-match ratio.
+        failovers: returns the counter store's Redis failover count (0 without Redis).
+    """
+
+    def __init__(self, pool: EnginePool, queues: Callable[[], Mapping[str, Any]],
+                 metrics: GatewayMetrics, failovers: Callable[[], int]) -> None:
+        self.pool, self.queues, self.metrics, self.failovers = pool, queues, metrics, failovers
+
+    def collect(self) -> Iterator[Any]:
+        up = GaugeMetricFamily("sluice_engine_up", "1 if the engine is ready (routable).",
+                               labels=["engine", "model", "state"])
+        kv = GaugeMetricFamily("sluice_engine_kv_cache_usage_ratio", "KV-cache usage, 0-1.",
+                               labels=["engine", "model"])
+        running = GaugeMetricFamily("sluice_engine_requests_running", "Requests running.",
+                                    labels=["engine", "model"])
+        waiting = GaugeMetricFamily("sluice_engine_requests_waiting", "Requests waiting.",
+                                    labels=["engine", "model"])
+        in_flight = GaugeMetricFamily("sluice_engine_requests_in_flight",
+                                      "Requests this gateway has sent and not finished.",
+                                      labels=["engine", "model"])
+        restarts = CounterMetricFamily("sluice_engine_restarts", "Engine restarts.",
+                                       labels=["engine", "model"])
+        prefix = GaugeMetricFamily("sluice_engine_prefix_match_ratio",
+                                   "Mean prefix-affinity score of routed requests, 0-1.",
+                                   labels=["engine", "model"])
+        for e in self.pool.engines:
+            labels = [e.id, e.model]
+            up.add_metric([*labels, e.state.value], 1.0 if e.state is EngineState.READY else 0.0)
+            if e.kv_cache_usage is not None:
+                kv.add_metric(labels, e.kv_cache_usage)
+            if e.metrics is not None:
+                running.add_metric(labels, e.metrics.num_running)
+                waiting.add_metric(labels, e.metrics.num_waiting)
+            in_flight.add_metric(labels, e.in_flight)
+            restarts.add_metric(labels, e.restarts)
+            ratio = self.metrics.prefix_match_ratio(e.id)
+            if ratio is not None:
+                prefix.add_metric(labels, ratio)
+        depth = GaugeMetricFamily("sluice_queue_depth", "Requests waiting for admission.",
+                                  labels=["model", "priority"])
+        queued = GaugeMetricFamily("sluice_queue_tokens", "Estimated tokens queued.",
+                                   labels=["model"])
+        for model, q in self.queues().items():
+            for priority, n in q.depth().items():
+                depth.add_metric([model, priority], n)
+            queued.add_metric([model], q.tokens_queued)
+        failovers = CounterMetricFamily("sluice_limits_store_failovers",
+                                        "Times the shared counter store became unreachable.")
+        failovers.add_metric([], self.failovers())
+        yield from (up, kv, running, waiting, in_flight, restarts, prefix, depth, queued,
+                    failovers)

@@ -1,0 +1,54 @@
+"""One request's facts as the pipeline learns them, for metrics, access logs and the
+stats feed. Created by the outermost middleware for every request (also the ones
+refused before the pipeline: 401, 404, 413) and handed to observers once it ends."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from limits.outcome import Outcome
+
+#: Label used for a tenant that could not be identified (401s, unknown paths).
+UNKNOWN = "unknown"
+
+
+@dataclass
+class RequestRecord:
+    """Times in seconds (``started`` is ``time.perf_counter()``); ``cache`` is
+    ``hit-exact``, ``hit-semantic``, ``miss`` or ``bypass``; ``degraded`` lists the
+    degradation actions applied (``max_tokens=256``, ``model=small``); ``reason`` is
+    the finer cause of a rejection (``requests_per_min``, ``queue_full``…)."""
+
+    request_id: str
+    path: str = ""
+    tenant: str = UNKNOWN
+    priority: str = "standard"
+    model: str | None = None
+    engine: str | None = None
+    scores: dict[str, float] = field(default_factory=dict)
+    outcome: Outcome = Outcome.OK
+    status: int = 200
+    reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    cache: str = "bypass"
+    degraded: tuple[str, ...] = ()
+    stream: bool = False
+    inference: bool = False
+    finish_reasons: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    duration_s: float = 0.0
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first, s (streams only)."""
+        if not self.stream or self.ttft_s is None or self.completion_tokens < 2:
+            return None
+        return max(0.0, self.duration_s - self.ttft_s) / (self.completion_tokens - 1)
+
+
+Observer = Callable[[RequestRecord], None]

@@ -1,0 +1,170 @@
+"""The live stats feed behind ``/dashboard`` (``GET /admin/stats``).
+
+Everything is read from what the gateway already keeps: the Prometheus series of
+:class:`~gateway.metrics.GatewayMetrics`, the engine pool, the admission queues and the
+reload history. A sampler takes one reading per ``interval_s`` (default 1 s) into
+ring buffers of ``samples`` entries (default 300 = 5 min). Latency percentiles are
+computed over the last ``window_s`` (default 60 s) from histogram bucket deltas with
+linear interpolation inside a bucket — the same estimate as PromQL's
+``histogram_quantile`` (prometheus/promql/quantile.go).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+
+from config.schema import PRIORITIES
+from engines.pool import EnginePool
+from gateway.metrics import GatewayMetrics
+from gateway.reload import ReloadEvent
+
+ADMITTED = {"ok", "cache_hit"}
+
+
+def _buckets(hist: Histogram) -> list[tuple[float, float]]:
+    """Cumulative counts per upper bound, summed over all label sets."""
+    acc: dict[float, float] = defaultdict(float)
+    for family in hist.collect():
+        for s in family.samples:
+            if s.name.endswith("_bucket"):
+                acc[float(s.labels["le"])] += s.value
+    return sorted(acc.items())
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The ``q`` quantile (0–1) of cumulative ``(upper bound, count)`` buckets, or None
+    when empty; values in the +Inf bucket are reported as the largest finite bound."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return prev_le
+            width = count - prev_count
+            return prev_le + (le - prev_le) * ((rank - prev_count) / width if width else 1.0)
+        prev_le, prev_count = le, count
+    return prev_le
+
+
+def _delta(now: list[tuple[float, float]], then: list[tuple[float, float]] | None):
+    if not then:
+        return now
+    old = dict(then)
+    return [(le, c - old.get(le, 0.0)) for le, c in now]
+
+
+def _counter_values(counter: Counter) -> Iterable[tuple[dict[str, str], float]]:
+    for family in counter.collect():
+        for s in family.samples:
+            if s.name.endswith("_total"):
+                yield s.labels, s.value
+
+
+class StatsFeed:
+    """Samples the gateway's state and renders the ``/admin/stats`` JSON.
+
+    Args:
+        metrics: the app's metrics.
+        pool: the engine pool.
+        queues: returns ``{model: AdmissionQueue}``.
+        reloads: returns recent :class:`~gateway.reload.ReloadEvent` s.
+    """
+
+    def __init__(self, metrics: GatewayMetrics, pool: EnginePool,
+                 queues: Callable[[], Mapping[str, Any]],
+                 reloads: Callable[[], Iterable[ReloadEvent]], *, interval_s: float = 1.0,
+                 samples: int = 300, window_s: float = 60.0) -> None:
+        self.metrics, self.pool, self.queues, self.reloads = metrics, pool, queues, reloads
+        self.interval_s = interval_s
+        self.window = max(1, round(window_s / interval_s))
+        self.t: deque[float] = deque(maxlen=samples)
+        self.depth: dict[str, deque[int]] = {p: deque(maxlen=samples) for p in PRIORITIES}
+        self.admitted_rps: deque[float] = deque(maxlen=samples)
+        self.shed_rps: deque[float] = deque(maxlen=samples)
+        self._ttft: deque[list[tuple[float, float]]] = deque(maxlen=self.window + 1)
+        self._tpot: deque[list[tuple[float, float]]] = deque(maxlen=self.window + 1)
+        self._last: tuple[float, float] | None = None
+
+    def _totals(self) -> tuple[float, float]:
+        admitted = sum(v for lab, v in _counter_values(self.metrics.requests)
+                       if lab["outcome"] in ADMITTED)
+        rejected = sum(v for _, v in _counter_values(self.metrics.rejected))
+        return admitted, rejected
+
+    def sample(self) -> None:
+        """Take one reading (the sampler task calls this every ``interval_s``)."""
+        depth = dict.fromkeys(PRIORITIES, 0)
+        for q in self.queues().values():
+            for p, n in q.depth().items():
+                depth[p] += n
+        admitted, rejected = self._totals()
+        last_a, last_r = self._last or (admitted, rejected)
+        self._last = (admitted, rejected)
+        self.t.append(time.time())
+        for p in PRIORITIES:
+            self.depth[p].append(depth[p])
+        self.admitted_rps.append((admitted - last_a) / self.interval_s)
+        self.shed_rps.append((rejected - last_r) / self.interval_s)
+        self._ttft.append(_buckets(self.metrics.ttft))
+        self._tpot.append(_buckets(self.metrics.tpot))
+
+    async def run(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(self.interval_s)
+
+    def _latency(self, hist: Histogram, history: deque, q: float) -> float | None:
+        window = _delta(_buckets(hist), history[0] if history else None)
+        value = histogram_quantile(q, window)
+        return None if value is None else round(value * 1000, 1)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The feed's JSON (shape documented in ``gateway/static/README`` and the
+        dashboard issue)."""
+        tenants: dict[str, dict[str, Any]] = {}
+        for lab, v in _counter_values(self.metrics.requests):
+            if lab["outcome"] in ADMITTED:
+                t = tenants.setdefault(lab["tenant"], {"admitted": 0, "rejected": {}})
+                t["admitted"] += int(v)
+        for lab, v in _counter_values(self.metrics.rejected):
+            t = tenants.setdefault(lab["tenant"], {"admitted": 0, "rejected": {}})
+            t["rejected"][lab["reason"]] = t["rejected"].get(lab["reason"], 0) + int(v)
+        lookups = hits = 0.0
+        for lab, v in _counter_values(self.metrics.cache):
+            if lab["kind"] == "exact":
+                lookups += v
+            if lab["result"] == "hit":
+                hits += v
+        engines = [{
+            "id": e.id, "model": e.model, "state": e.state.value,
+            "kv_cache_usage": e.kv_cache_usage,
+            "running": e.metrics.num_running if e.metrics else 0,
+            "waiting": e.metrics.num_waiting if e.metrics else 0,
+            "in_flight": e.in_flight, "restarts": e.restarts,
+        } for e in self.pool.engines]
+        return {
+            "now": time.time(), "interval_s": self.interval_s,
+            "series": {"t": list(self.t),
+                       "queue_depth": {p: list(d) for p, d in self.depth.items()},
+                       "admitted_rps": list(self.admitted_rps), "shed_rps": list(self.shed_rps)},
+            "tenants": tenants,
+            "engines": engines,
+            "latency": {
+                "ttft_p50_ms": self._latency(self.metrics.ttft, self._ttft, 0.5),
+                "ttft_p99_ms": self._latency(self.metrics.ttft, self._ttft, 0.99),
+                "tpot_p50_ms": self._latency(self.metrics.tpot, self._tpot, 0.5),
+                "tpot_p99_ms": self._latency(self.metrics.tpot, self._tpot, 0.99),
+            },
+            "cache": {"lookups": int(lookups), "hits": int(hits),
+                      "hit_rate": round(hits / lookups, 4) if lookups else None},
+            "reloads": [{"at": r.at, "path": r.path, "result": r.result, "error": r.error}
+                        for r in self.reloads()],
+        }

@@ -1,0 +1,77 @@
+"""OpenTelemetry traces: one server span per request, with child spans for the cache
+lookup, the rate-limit reservation, the queue wait, scheduling and the upstream call
+(which carries a ``first_token`` event); the W3C ``traceparent`` goes to the engine
+(vLLM accepts it with ``--otlp-traces-endpoint``).
+
+Attributes follow the OpenTelemetry GenAI semantic conventions
+(https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-spans/): span name
+``"{gen_ai.operation.name} {gen_ai.request.model}"``, ``gen_ai.operation.name``,
+``gen_ai.request.model``, ``gen_ai.usage.input_tokens``, ``gen_ai.usage.output_tokens``,
+``gen_ai.response.finish_reasons``; Sluice's own facts under ``sluice.*``. No prompt or
+answer text is recorded.
+
+Spans are exported over OTLP/HTTP when ``observability.otlp_endpoint`` is set, to an
+injected exporter in tests, and otherwise not made at all (a no-op tracer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.trace import Span, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from config.schema import ObservabilityConfig
+from gateway.record import RequestRecord
+
+PROPAGATOR = TraceContextTextMapPropagator()
+OPERATION = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+
+
+def make_tracer(cfg: ObservabilityConfig,
+                exporter: SpanExporter | None = None) -> tuple[Tracer, TracerProvider | None]:
+    """A tracer for the app (never the global one) and its provider to shut down."""
+    if not cfg.tracing or (exporter is None and not cfg.otlp_endpoint):
+        return trace.NoOpTracer(), None
+    provider = TracerProvider(resource=Resource.create({"service.name": "sluice-gateway"}))
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    if cfg.otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.otlp_endpoint)))
+    return provider.get_tracer("sluice.gateway"), provider
+
+
+def inject_traceparent(headers: MutableMapping[str, str]) -> None:
+    """Add ``traceparent`` (and ``tracestate``) of the current span to ``headers``."""
+    PROPAGATOR.inject(headers)
+
+
+def finish_span(span: Span, rec: RequestRecord) -> None:
+    """Name the request's server span and set its attributes from ``rec``."""
+    if not span.is_recording():
+        return
+    op = OPERATION.get(rec.path)
+    if op and rec.model:
+        span.update_name(f"{op} {rec.model}")
+        span.set_attribute("gen_ai.operation.name", op)
+        span.set_attribute("gen_ai.request.model", rec.model)
+        span.set_attribute("gen_ai.usage.input_tokens", rec.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", rec.completion_tokens)
+        if rec.finish_reasons:
+            span.set_attribute("gen_ai.response.finish_reasons", rec.finish_reasons)
+    span.set_attribute("http.response.status_code", rec.status)
+    span.set_attribute("sluice.tenant", rec.tenant)
+    span.set_attribute("sluice.outcome", rec.outcome.value)
+    span.set_attribute("sluice.cache", rec.cache)
+    if rec.engine:
+        span.set_attribute("sluice.engine", rec.engine)
+    if rec.degraded:
+        span.set_attribute("sluice.degraded", list(rec.degraded))
+    if rec.status >= 500:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, rec.outcome.value))
