@@ -210,7 +210,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest semcache", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, required=True, help="write the report here")
-    ap.add_argument("--limit", type=int, default=20_000, help="pairs used (default 20000; calibration near 0.99 needs ≥ ~10000 for 50 true hits)")
+    ap.add_argument("--limit", type=int, default=20_000,
+                    help="pairs used (default 20000; calibrating near 0.99 needs "
+                         "≥ ~10000 for 50 true hits)")
     ap.add_argument("--target-precision", type=float, default=0.95)
     ap.add_argument("--sizes", default="1000,100000", help="index sizes for latency")
     ap.add_argument("--queries", type=int, default=300, help="lookups per size")
