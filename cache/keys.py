@@ -28,11 +28,11 @@ EndpointKind = Literal["chat", "completions"]
 #: Body fields that change transport or bookkeeping, never the generated text:
 #: ``stream`` / ``stream_options`` (a cached answer is replayed either way),
 #: ``user``, ``metadata``, ``store``, ``safety_identifier`` (end-user / logging tags),
-#: ``service_tier``, ``priority`` (scheduling), ``prompt_cache_key`` (a KV-cache
-#: routing hint).
+#: ``service_tier``, ``priority`` (scheduling), ``prompt_cache_key`` and vLLM's
+#: ``cache_salt`` (KV-cache routing and isolation; the tenant is in the key anyway).
 EXCLUDED_FIELDS: frozenset[str] = frozenset({
     "stream", "stream_options", "user", "metadata", "store", "safety_identifier",
-    "service_tier", "priority", "prompt_cache_key",
+    "service_tier", "priority", "prompt_cache_key", "cache_salt",
 })
 
 #: OpenAI's documented defaults, applied when a field is absent or null so that an
