@@ -8,6 +8,7 @@ many leading characters agree.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -36,7 +37,10 @@ def presented_key(request: web.Request) -> str | None:
     return key or None
 
 
+@functools.lru_cache(maxsize=1024)
 def is_loopback(remote: str | None) -> bool:
+    """Whether ``remote`` (a peer address string) is a loopback address; cached, as
+    parsing an address costs more than the rest of resolving a tenant."""
     if not remote:
         return False
     try:

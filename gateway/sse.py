@@ -42,8 +42,23 @@ class EventFramer:
 
 def event_data(event: bytes) -> bytes:
     """The payload of an event's ``data:`` lines, joined by newlines (SSE spec)."""
+    if event.startswith(b"data:") and event.find(b"\n") == len(event) - 2:
+        return event[5:-2].lstrip(b" ")  # one data line + blank line: the usual event
     lines = [ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
     return b"\n".join(lines)
+
+
+def _loads(payload: bytes) -> Any:
+    """``json.loads(payload)``; an object's bytes are decoded as UTF-8 directly (what
+    ``json.loads`` detects for any text starting with ``{``), skipping its encoding
+    detection."""
+    if payload[:1] == b"{":
+        try:
+            text = payload.decode()
+        except UnicodeDecodeError:
+            return json.loads(payload)
+        return json.loads(text)
+    return json.loads(payload)
 
 
 @dataclass
@@ -78,7 +93,7 @@ class StreamSummary:
         if not payload:
             return None
         try:
-            obj = json.loads(payload)
+            obj = _loads(payload)
         except ValueError:
             return None
         if not isinstance(obj, dict):
