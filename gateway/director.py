@@ -18,9 +18,10 @@ from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Tracer
 
+from cache.policy import request_cacheable
 from cache.replay import as_json, as_sse
 from cache.service import CacheHit, CacheRequest, ResponseCache
-from config.schema import Config, TenantQuota
+from config.schema import Config, DegradationConfig, TenantQuota
 from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, PromptInput, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
@@ -90,6 +91,7 @@ class Director:
         self.queues = queues
         self.detector = detector
         self.cache = cache
+        self._degradation: dict[str, DegradationConfig] = {}
         self.tracer = tracer or trace.NoOpTracer()
         self.prompts = PromptBlocks(cfg.engines, pool)
         #: models whose every engine accepts vLLM's ``cache_salt``
@@ -189,7 +191,10 @@ class Director:
         Raises:
             Rejected: ``OVERLOADED`` (reason ``shed``) as described.
         """
-        dcfg = self.cfg.engines.model_settings(req.model).degradation
+        dcfg = self._degradation.get(req.model)
+        if dcfg is None:  # built once per model: model_settings makes a pydantic object
+            dcfg = self._degradation[req.model] = \
+                self.cfg.engines.model_settings(req.model).degradation
         if tenant.priority not in dcfg.sheddable:
             return
         original = dict(req.body)
@@ -268,6 +273,8 @@ class Director:
         """Store a finished answer off the response path (the semantic cache embeds
         the question, ~20 ms on CPU)."""
         assert self.cache is not None
+        if creq.no_store or not request_cacheable(req.body, creq.tenant):
+            return  # what ResponseCache.store would decide, without a task per request
         final = CacheRequest(namespace=creq.namespace, tenant=creq.tenant,
                              endpoint=creq.endpoint, model=req.model, body=req.body,
                              no_store=creq.no_store)
