@@ -220,6 +220,14 @@ class EngineSpec(_Strict):
     replicas: int = Field(1, ge=1)
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
+    cache_salt: bool | None = Field(
+        None, description="accepts vLLM's cache_salt; None: yes for vllm and sim kinds")
+
+    @property
+    def accepts_cache_salt(self) -> bool:
+        """Whether requests to this engine may carry ``cache_salt`` (vLLM ≥ 0.9 and
+        the simulator do; an ``external`` server is not assumed to)."""
+        return self.cache_salt if self.cache_salt is not None else self.kind != "external"
 
     @model_validator(mode="after")
     def _kind(self) -> EngineSpec:
@@ -255,12 +263,38 @@ class PluginConfig(_Strict):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
+class PrefixConfig(_Strict):
+    """Prompt blocks and the prefix index (``engines.prefix.PrefixIndex``).
+
+    ``block_size``: tokens per hashed block; None takes the engine's reported
+    ``block_size``. ``max_blocks``: hash at most this many leading blocks (bounds
+    per-request work on huge prompts); None hashes all. ``cache_salt``: send each
+    tenant's namespace as vLLM's ``cache_salt`` so tenants never share prefix-cache
+    entries (engines whose spec does not accept it get none).
+    """
+
+    block_size: int | None = Field(None, ge=1, description="tokens per block")
+    max_blocks: int | None = Field(None, ge=1)
+    max_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="index memory cap, bytes")
+    ttl_s: float = Field(600.0, gt=0, description="index entry lifetime, s")
+    cache_salt: bool = True
+
+
+class SessionsConfig(_Strict):
+    """Sticky ``x-session-id`` routing table (``engines.sessions.SessionTable``)."""
+
+    max_sessions: int = Field(100_000, ge=1)
+    ttl_s: float = Field(1800.0, gt=0)
+
+
 class SchedulerConfig(_Strict):
     filters: list[PluginConfig] = Field(default_factory=list)
     scorers: list[PluginConfig] = Field(
         default_factory=lambda: [PluginConfig(type="least-in-flight")]
     )
     picker: PluginConfig = PluginConfig(type="max-score")
+    prefix: PrefixConfig = PrefixConfig()
+    sessions: SessionsConfig = SessionsConfig()
 
 
 class SupervisorConfig(_Strict):

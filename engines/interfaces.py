@@ -9,9 +9,9 @@ Implementations are chosen by a kebab-case ``type`` through
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from config.schema import Priority
 from engines.pool import Engine
@@ -28,16 +28,26 @@ class SchedRequest:
         prompt_tokens: estimated prompt length, tokens.
         blocks: chained hashes of the prompt's fixed-size token blocks (prefix
             affinity); empty when not computed.
-        session_id: client conversation id, if any.
+        block_size: tokens per block of ``blocks`` (0 when unknown).
+        session_id: client conversation id (``x-session-id``), if any.
         priority: ``interactive``, ``standard`` or ``batch``.
+        prefix_matches: engine id → leading ``blocks`` the prefix index says that
+            engine holds. Filled by :meth:`Scheduler.pick
+            <engines.scheduler.Scheduler.pick>` from its index before filters and
+            scorers run, so plugins stay pure; absent ids mean 0.
+        session_engine: id of the engine this session was last sent to (filled by
+            the scheduler from its session table), if any.
     """
 
     model: str
     tenant: str
     prompt_tokens: int
     blocks: tuple[int, ...] = ()
+    block_size: int = 0
     session_id: str | None = None
     priority: Priority = "standard"
+    prefix_matches: Mapping[str, int] = field(default_factory=dict)
+    session_engine: str | None = None
 
 
 class Filter(Protocol):
@@ -69,3 +79,24 @@ class Picker(Protocol):
     (same order). Returns the index of the chosen engine."""
 
     def pick(self, engines: Sequence[Engine], totals: Sequence[float]) -> int: ...
+
+
+class PromptEncoder(Protocol):
+    """Turns a request's prompt into the token ids the engine will compute
+    (:mod:`engines.prompt`).
+
+    Attributes:
+        offload: True when encoding is heavy and releases the GIL (a native
+            tokenizer): callers run it in a worker thread.
+    """
+
+    offload: bool
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Render ``messages`` with the model's chat template (generation prompt
+        added) and tokenize the text."""
+        ...
+
+    def encode_text(self, text: str) -> list[int]:
+        """Tokenize a completions prompt as the engine does (special tokens added)."""
+        ...

@@ -20,6 +20,144 @@ from engines.interfaces import Filter, Picker, SchedRequest, Scorer
 from engines.pool import Engine
 
 
+def engine_load(engine: Engine) -> int:
+    """Requests on ``engine``: the larger of this gateway's in-flight count (exact and
+    current, but blind to other gateway replicas) and the engine's own running +
+    waiting (every client, but up to one metrics interval old). Adding them would
+    count this gateway's waiting requests twice."""
+    m = engine.metrics
+    reported = m.num_running + m.num_waiting if m else 0
+    return max(engine.in_flight, reported, 0)
+
+
+# --------------------------------------------------------------------------- filters
+
+
+class KvWatermark:
+    """Keeps engines whose KV-cache usage is under ``watermark`` (fraction 0–1,
+    default 0.8); engines that have not reported usage are kept.
+
+    This is the scheduler's *preference* to leave headroom (an engine near a full
+    KV cache preempts running requests, vLLM's recompute preemption); the limits
+    ``SaturationDetector`` has already removed engines at its hard watermark (0.9).
+    If every candidate is over, the scheduler falls back to the healthy list. Source:
+    llm-d inference scheduler's KV-cache-utilisation filter and the "low KV-cache
+    headroom" filter of the Gateway API Inference Extension (``kvCacheThreshold``,
+    0.8 by default).
+    """
+
+    def __init__(self, watermark: float = 0.8) -> None:
+        if not 0 < watermark <= 1:
+            raise ValueError("watermark must be in (0, 1]")
+        self.watermark = watermark
+
+    def filter(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[Engine]:
+        return [e for e in engines
+                if e.kv_cache_usage is None or e.kv_cache_usage < self.watermark]
+
+
+class LoadGuard:
+    """Removes engines whose load has diverged from the least-loaded candidate's, so
+    that no affinity can pile more requests on them.
+
+    Load is :func:`engine_load` (requests running + waiting). With ``low`` the
+    smallest candidate load, an engine is dropped when its load exceeds
+    ``low + max(abs_threshold, rel_threshold × low)``. Affinity then yields exactly
+    for the overloaded engines while the rest of the policy runs unchanged; once the
+    loads converge, affinity applies again.
+
+    Source: SGLang router's cache-aware policy (``sgl-router``, ``cache_aware.rs``)
+    switches to shortest-queue routing when ``max_load − min_load >
+    balance_abs_threshold`` and ``max_load > balance_rel_threshold × min_load``
+    (defaults 64 and 1.5 for large GPU fleets); here the test is per engine, so only
+    the outliers lose their affinity, and the defaults suit engines running tens of
+    requests.
+
+    Args:
+        abs_threshold: allowed excess over the least-loaded engine, requests
+            (default 4).
+        rel_threshold: allowed excess as a fraction of the least load (default 0.25).
+    """
+
+    def __init__(self, abs_threshold: float = 4.0, rel_threshold: float = 0.25) -> None:
+        if abs_threshold < 0 or rel_threshold < 0:
+            raise ValueError("thresholds must be >= 0")
+        self.abs_threshold = abs_threshold
+        self.rel_threshold = rel_threshold
+
+    def filter(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[Engine]:
+        loads = [engine_load(e) for e in engines]
+        if not loads:
+            return []
+        low = min(loads)
+        limit = low + max(self.abs_threshold, self.rel_threshold * low)
+        return [e for e, load in zip(engines, loads, strict=True) if load <= limit]
+
+
+# --------------------------------------------------------------------------- scorers
+
+
+class PrefixAffinity:
+    """Prefers the engine most likely to hold the prompt's prefix in its KV cache.
+
+    Score = (leading prompt blocks the engine holds, per the prefix index) / (blocks
+    in the prompt), from ``req.prefix_matches`` (filled by the scheduler); 0 for every
+    engine when the prompt has no full block. A hit skips the prefill of the matched
+    tokens, the dominant part of TTFT for long prompts (Preble, Srivatsa et al.,
+    ICLR 2025; Mooncake, Qin et al., FAST 2025). Source: llm-d inference scheduler's
+    ``prefix-cache-scorer`` (matched blocks / total blocks) and SGLang router's
+    cache-aware match rate. No parameters.
+    """
+
+    def score(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[float]:
+        n = len(req.blocks)
+        if n == 0:
+            return [0.0] * len(engines)
+        return [min(req.prefix_matches.get(e.id, 0), n) / n for e in engines]
+
+
+class KvCacheUsage:
+    """Prefers engines with free KV cache: score = ``1 − kv_cache_usage`` (0 when
+    the engine has not reported usage). Free blocks admit new requests without
+    preempting running ones and keep more of the cached prefixes alive. Source:
+    llm-d inference scheduler's ``kv-cache-utilization-scorer``. No parameters."""
+
+    def score(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[float]:
+        return [0.0 if e.kv_cache_usage is None else min(max(1.0 - e.kv_cache_usage, 0.0), 1.0)
+                for e in engines]
+
+
+class QueueDepth:
+    """Prefers the less loaded engine: score = ``1 − load / max_load`` over the
+    candidates, load being :func:`engine_load` (running + waiting requests); every
+    engine scores 1 when none has any load. Proportional (not min–max) normalisation:
+    engines at 10 and 11 requests score 0.09 and 0, so a small difference only breaks
+    ties between equally good prefixes instead of overriding them. Source: llm-d
+    inference scheduler's ``queue-scorer`` (waiting queue size) and the
+    least-outstanding-requests balancing of Envoy. No parameters."""
+
+    def score(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[float]:
+        loads = [engine_load(e) for e in engines]
+        busiest = max(loads, default=0)
+        if busiest <= 0:
+            return [1.0] * len(engines)
+        return [1.0 - load / busiest for load in loads]
+
+
+class SessionAffinity:
+    """Sticky sessions: score 1 for the engine the request's session
+    (``x-session-id``) last went to, 0 for the others and for requests without a
+    session. When that engine is saturated or overloaded the filters (the limits'
+    saturation check, ``kv-watermark``, ``load-guard``) have removed it and the other
+    scorers decide; the session then sticks to its new engine. Source: sticky
+    sessions of HTTP load balancers (e.g. Envoy's ring-hash/Maglev on a header) and
+    the session-affinity scorer of llm-d's inference scheduler. No parameters."""
+
+    def score(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[float]:
+        target = req.session_engine
+        return [1.0 if target is not None and e.id == target else 0.0 for e in engines]
+
+
 class LeastInFlight:
     """Prefers the engine with the fewest requests this gateway has in flight on it
     (the "least outstanding requests" balancing of NGINX ``least_conn`` and Envoy's
@@ -51,12 +189,34 @@ class MaxScore:
         return tied[0] if len(tied) == 1 else self.rng.choice(tied)
 
 
-FILTERS: Mapping[str, type[Filter]] = MappingProxyType({})
+class RoundRobin:
+    """Ignores the scores: the *k*-th pick takes candidate ``k mod n`` (the classic
+    cache-blind baseline). ``rng`` is accepted for the uniform picker signature and
+    unused."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._next = 0
+
+    def pick(self, engines: Sequence[Engine], totals: Sequence[float]) -> int:
+        i = self._next % len(engines)
+        self._next += 1
+        return i
+
+
+FILTERS: Mapping[str, type[Filter]] = MappingProxyType({
+    "kv-watermark": KvWatermark,
+    "load-guard": LoadGuard,
+})
 SCORERS: Mapping[str, type[Scorer]] = MappingProxyType({
     "least-in-flight": LeastInFlight,
+    "prefix-affinity": PrefixAffinity,
+    "kv-cache-usage": KvCacheUsage,
+    "queue-depth": QueueDepth,
+    "session-affinity": SessionAffinity,
 })
 PICKERS: Mapping[str, type[Picker]] = MappingProxyType({
     "max-score": MaxScore,
+    "round-robin": RoundRobin,
 })
 
 

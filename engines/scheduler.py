@@ -2,19 +2,24 @@
 (DESIGN.md, "Request flow" step 6).
 
 The plugins come from ``SchedulerConfig`` through :mod:`engines.plugins`; the
-scheduler itself knows only their protocols (:mod:`engines.interfaces`).
+scheduler itself knows only their protocols (:mod:`engines.interfaces`). It owns the
+routing state the plugins read — the :class:`~engines.prefix.PrefixIndex` and the
+:class:`~engines.sessions.SessionTable` — and hands it to them inside the request
+(``prefix_matches``, ``session_engine``), so the plugins stay pure.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from config.schema import SchedulerConfig
 from engines.interfaces import SchedRequest
 from engines.plugins import build_filter, build_picker, build_scorer
 from engines.pool import Engine
+from engines.prefix import PrefixIndex
+from engines.sessions import SessionTable
 
 __all__ = ["Decision", "SchedRequest", "Scheduler"]
 
@@ -39,12 +44,17 @@ class Scheduler:
 
     :meth:`pick` runs, in order:
 
+    0. looks up, for every healthy engine, the leading prompt blocks the prefix index
+       says it holds and the session's engine (into the request it gives plugins);
     1. the built-in filter: engines that are routable (``ready``) and serve
        ``req.model`` — the "healthy list";
     2. the configured filters in sequence; if they remove every engine, the healthy
        list is used instead (a filter expresses a preference, never an outage);
     3. every configured scorer; an engine's total is the sum of ``weight × score``;
     4. the picker, given the totals.
+
+    :meth:`record` notes a dispatch (prefix index and session table); the caller
+    invokes it once the request has a lease on the chosen engine.
 
     Args:
         cfg: plugin types, weights and params.
@@ -58,6 +68,8 @@ class Scheduler:
         self.filters = [build_filter(f) for f in cfg.filters]
         self.scorers = [(s.type, s.weight, build_scorer(s)) for s in cfg.scorers]
         self.picker = build_picker(cfg.picker, rng or random.Random())
+        self.index = PrefixIndex(cfg.prefix.max_bytes, cfg.prefix.ttl_s)
+        self.sessions = SessionTable(cfg.sessions.max_sessions, cfg.sessions.ttl_s)
 
     def pick(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> Decision | None:
         """The engine for ``req`` among ``engines``, or None if no engine is ready
@@ -71,6 +83,12 @@ class Scheduler:
         healthy = [e for e in engines if e.routable and e.model == req.model]
         if not healthy:
             return None
+        req = replace(
+            req,
+            prefix_matches={e.id: self.index.match(e, req.blocks, now) for e in healthy}
+            if req.blocks else {},
+            session_engine=self.sessions.engine_for(req.session_id, healthy, now),
+        )
         candidates = healthy
         for f in self.filters:
             candidates = f.filter(req, candidates, now)
@@ -86,3 +104,9 @@ class Scheduler:
         scores = {name: values[i] for name, _, values in rated}
         scores["total"] = totals[i]
         return Decision(engine=candidates[i], scores=scores)
+
+    def record(self, req: SchedRequest, engine: Engine, now: float) -> None:
+        """``req`` was dispatched to ``engine`` at ``now`` (clock time, s): its blocks
+        join the engine's prefix index entries, its session sticks to the engine."""
+        self.index.record(engine, req.blocks, now, req.block_size or None)
+        self.sessions.record(req.session_id, engine, now)

@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from engines.prompt import render_fallback_chat
+
 DEFAULT_MAX_TOKENS = 16
 #: vLLM's limits on ``cache_salt`` (``validate_cache_salt`` in
 #: ``vllm/entrypoints/generate/base/protocol.py``).
@@ -68,17 +70,13 @@ class ParsedRequest:
 
 
 def render_chat(messages: list[dict[str, Any]]) -> str:
-    """Render ``messages`` with a fixed Gemma-style template (the one ENGINES.md
-    sets on the CPU engine's tokenizer): BOS, then per message
-    ``<start_of_turn>{user|model|system}\\n{text}<end_of_turn>\\n``, then the
-    generation prompt ``<start_of_turn>model\\n``. Equal leading messages render to
-    equal leading text, hence equal leading token blocks."""
-    parts = ["<bos>"]
+    """Render ``messages`` with the fixed Gemma-style template the gateway also uses
+    for ``kind: sim`` engines (:func:`engines.prompt.render_fallback_chat`), after
+    checking every content is a string or a list of parts. Equal leading messages
+    render to equal leading text, hence equal leading token blocks."""
     for m in messages:
-        role = "model" if m["role"] == "assistant" else m["role"]
-        parts.append(f"<start_of_turn>{role}\n{_text(m.get('content'))}<end_of_turn>\n")
-    parts.append("<start_of_turn>model\n")
-    return "".join(parts)
+        _text(m.get("content"))
+    return render_fallback_chat(messages)
 
 
 def _text(content: Any) -> str:
