@@ -37,7 +37,15 @@ from aiohttp import web
 from gateway.auth import hash_key
 from gateway.dashboard import dashboard
 from tests.conftest import free_port
-from tests.integration.limits_support import auth, chat, gateways, sim_engine, tenant, write_config
+from tests.integration.limits_support import (
+    MODEL,
+    auth,
+    chat,
+    gateways,
+    sim_engine,
+    tenant,
+    write_config,
+)
 
 try:
     from playwright.async_api import Browser, Page, async_playwright
@@ -329,7 +337,8 @@ def live_gateway(tmp_path_factory: pytest.TempPathFactory):
     d = write_config(
         tmp_path_factory.mktemp("dashboard"),
         tenants=TENANTS,
-        engines=[sim_engine("sim", speed=1.0, replicas=2)],
+        engines=[sim_engine("sim", speed=4.0, replicas=2)],
+        models=[{"name": MODEL, "degradation": {"sheddable": ["batch"]}}],
         gateway={"admin_key_hashes": [hash_key(ADMIN_KEY)],
                  "queue": {"max_requests": 12, "default_max_wait_s": 2},
                  "cache": {"enabled": True, "semantic": {"enabled": False}}},
@@ -352,15 +361,18 @@ async def load(session: aiohttp.ClientSession, url: str, duration_s: float) -> d
     statuses: dict[int, int] = {}
     end = time.monotonic() + duration_s
 
-    async def send(headers: dict[str, str], body: dict[str, Any]) -> None:
+    async def send(headers: dict[str, str], body: dict[str, Any]) -> int:
         async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
             await r.read()
             statuses[r.status] = statuses.get(r.status, 0) + 1
+            return r.status
 
     async def worker(name: str) -> None:
         while time.monotonic() < end:
-            await send(auth(name), chat("tell me about rivers " * rng.randint(4, 40),
-                                        rng.randint(16, 64)))
+            status = await send(auth(name), chat("tell me about rivers " * rng.randint(4, 40),
+                                                 rng.randint(16, 64), stream=rng.random() < 0.5))
+            if status != 200:  # a client that backs off instead of spinning on 503s
+                await asyncio.sleep(0.3)
 
     async def extras() -> None:
         cached = {**chat("what is a sluice gate?", 8), "temperature": 0}
@@ -376,20 +388,21 @@ async def load(session: aiohttp.ClientSession, url: str, duration_s: float) -> d
 
 
 async def reload_tenants(config_dir: Path, session: aiohttp.ClientSession, url: str) -> None:
-    """One good tenants.yaml change and one bad one (the running config stays)."""
+    """A good tenants.yaml change, a bad one (the running config stays), and the good
+    file again; waits until the feed reports each."""
     path = config_dir / "tenants.yaml"
     good = path.read_text()
     before = len((await fetch_stats(session, url))["reloads"])
     changed = yaml.safe_load(good)
     changed["tenants"][1]["weight"] = 2.0
     for text, want in ((yaml.safe_dump(changed), before + 1),
-                       ("tenants:\n  - name: beta\n    weight: -1\n", before + 2)):
+                       ("tenants:\n  - name: beta\n    weight: -1\n", before + 2),
+                       (yaml.safe_dump(changed), before + 3)):
         path.write_text(text)
         deadline = time.monotonic() + 10
         while len((await fetch_stats(session, url))["reloads"]) < want:
             assert time.monotonic() < deadline, "tenants.yaml reload not reported"
             await asyncio.sleep(0.2)
-    path.write_text(yaml.safe_dump(changed))
 
 
 async def test_live_dashboard_during_load(browser, live_gateway, tmp_path: Path) -> None:
@@ -435,8 +448,9 @@ async def test_live_dashboard_during_load(browser, live_gateway, tmp_path: Path)
         assert feed["tenants"]["alpha"]["admitted"] > 0
         assert any(r.startswith("rate_limited") for r in feed["tenants"]["capped"]["rejected"])
         assert feed["latency"]["ttft_p50_ms"] is not None
+        assert feed["latency"]["tpot_p50_ms"] is not None
         assert feed["cache"]["hits"] > 0
-        assert [r["result"] for r in feed["reloads"]][-2:] == ["ok", "error"]
+        assert [r["result"] for r in feed["reloads"]][-3:] == ["ok", "error", "ok"]
         assert {e["state"] for e in feed["engines"]} == {"ready"}
         charts = await chart_points(w.page, "queue_chart")
         assert set(charts) == {"interactive", "standard", "batch"}
