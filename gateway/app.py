@@ -139,7 +139,9 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
         queues: dict[str, AdmissionQueue[Placement]] = {
             m: AdmissionQueue(m, cfg.gateway.queue, clock) for m in cfg.engines.model_names()}
         app[STORE] = store
-        cache = open_cache(cfg.gateway.cache) if cfg.gateway.cache.enabled else None
+        # loading the embedding model takes seconds: keep it off the event loop
+        cache = await asyncio.to_thread(open_cache, cfg.gateway.cache) \
+            if cfg.gateway.cache.enabled else None
         app[DIRECTOR] = Director(
             cfg, app[POOL], Scheduler(cfg.engines.scheduler),
             EngineClient(app[SESSION], cfg.gateway.timeouts),

@@ -36,6 +36,10 @@ from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter, Reservation
 from limits.saturation import SaturationDetector, kv_blocks
 
+#: Request fields whose output a streamed answer, reassembled, would not keep
+#: (``StreamSummary.to_response`` rebuilds text only): such answers are not cached.
+STREAM_LOSSY = frozenset({"logprobs", "top_logprobs", "tools", "functions"})
+
 #: Retry-After, s, when no engine serving the model is ready (engines restart with
 #: backoff starting at 1 s; a few seconds is the honest order of magnitude).
 NO_ENGINE_RETRY_S = 5
@@ -245,7 +249,8 @@ class Director:
                     result = await self._admit_and_send(request, req, tenant, rec, timeout_s)
                 finally:
                     await reservation.settle(rec.prompt_tokens + rec.completion_tokens)
-            if creq is not None and result.answer is not None:
+            if creq is not None and result.answer is not None and not (
+                    req.stream and STREAM_LOSSY.intersection(req.body)):
                 self._store_later(creq, req, result.answer)
             return result.response
         except asyncio.CancelledError:

@@ -119,3 +119,16 @@ async def test_two_gateway_processes_share_entries_through_redis(engines, redis_
 
     first, second, content = await asyncio.to_thread(run_both)
     assert (first, second, content) == ("miss", "hit-exact", fake.reply)
+
+
+async def test_streamed_answers_with_logprobs_or_tools_are_not_stored(engines):
+    (fake,) = await engines(1)
+    async with run_gateway(make_config([fake])) as gw:
+        body = {**DET, "logprobs": True}
+        await (await gw.post("/v1/chat/completions", {**body, "stream": True})).read()
+        await stored(gw)
+        r = await gw.post("/v1/chat/completions", body)  # would lack the logprobs
+        assert r.headers["x-sluice-cache"] == "miss"
+        await stored(gw)
+        r = await gw.post("/v1/chat/completions", {**body, "stream": True})
+        assert r.headers["x-sluice-cache"] == "hit-exact"  # the JSON answer was complete
