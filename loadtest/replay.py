@@ -8,6 +8,13 @@ tokens, engine (``x-sluice-engine``). Engines given with ``--engine-metrics URL`
 are scraped every ``--scrape-interval`` s (load over time) and before/after (prefix
 hit rate from their own counters). The report (``--json``) and PNG plots
 (``--plots DIR``) come from :mod:`loadtest.report`.
+
+Routing benchmark: ``--engines N --policy P`` replaces ``--target``: a gateway
+(``sluice serve``) is started with ``N`` simulated engines and scheduler policy
+``P`` (:data:`POLICIES`; ``default`` is the ``scheduler:`` section of the shipped
+``config/engines.yaml``), the workload is replayed through it, and the report adds
+``ideal_hit_rate`` (unlimited cache, the replayed part of a Mooncake trace) and the
+flat keys ``ttft_p50_ms``, ``ttft_p90_ms``, ``ttft_p99_ms``.
 """
 
 from __future__ import annotations
@@ -24,8 +31,78 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+import yaml
+
+from loadtest.launch import gateway
 from loadtest.report import EngineSample, EngineStats, Result, Slo, format_summary, plot, summarize
 from loadtest.workloads import WORKLOADS, RequestSpec, WorkloadOptions, build_workload
+from loadtest.workloads.mooncake import ideal_hit_rate, read_trace, trace_path
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def _shipped_scheduler() -> dict:
+    raw = yaml.safe_load((_REPO / "config" / "engines.yaml").read_text(encoding="utf-8"))
+    return raw["scheduler"]
+
+
+#: Scheduler sections compared by the routing benchmark (``--policy``).
+POLICIES = {
+    "round-robin": lambda: {"filters": [], "scorers": [], "picker": {"type": "round-robin"}},
+    "least-load": lambda: {"filters": [], "scorers": [{"type": "queue-depth"}],
+                           "picker": {"type": "max-score"}},
+    "prefix-only": lambda: {"filters": [], "scorers": [{"type": "prefix-affinity"}],
+                            "picker": {"type": "max-score"}},
+    "default": _shipped_scheduler,
+}
+
+
+def write_sim_config(folder: Path, engines: int, policy: str, model: str, sim_args: list[str],
+                     index_bytes: int) -> Path:
+    """A config folder for ``sluice serve``: ``engines`` simulated engines
+    (``kind: sim`` with ``sim_args``), scheduler ``policy`` (prefix index capped at
+    ``index_bytes``), anonymous access, no response cache (every request must reach
+    an engine), and admission limits loose enough that the engines' own schedulers
+    queue (``max_waiting`` high): the benchmark compares placement, not shedding."""
+    folder.mkdir(parents=True, exist_ok=True)
+    sched = POLICIES[policy]()
+    sched["prefix"] = {**sched.get("prefix", {}), "max_bytes": index_bytes}
+    (folder / "engines.yaml").write_text(yaml.safe_dump({
+        "engines": [{"name": "sim", "model": model, "kind": "sim", "replicas": engines,
+                     "args": sim_args}],
+        "scheduler": sched,
+        "supervisor": {"metrics_interval_s": 0.25, "startup_grace_s": 120,
+                       "inference_probe_idle_s": 3600},
+        "saturation": {"max_waiting": 100_000},
+    }, sort_keys=False), encoding="utf-8")
+    (folder / "gateway.yaml").write_text(yaml.safe_dump({
+        "cache": {"enabled": False},
+        "queue": {"max_requests": 100_000, "max_tokens": 10**10, "default_max_wait_s": 600},
+        "observability": {"access_log": False, "tracing": False},
+    }), encoding="utf-8")
+    (folder / "tenants.yaml").write_text(yaml.safe_dump({"allow_anonymous": True}),
+                                         encoding="utf-8")
+    return folder
+
+
+def replayed_ideal_hit_rate(workload: str, opts: WorkloadOptions) -> float | None:
+    """:func:`~loadtest.workloads.mooncake.ideal_hit_rate` of the Mooncake records the
+    replay sends (same time scale, duration and limit as the builder); None for
+    other workloads."""
+    if workload == "mooncake-conversation":
+        path = trace_path()
+    elif Path(workload).is_file():
+        path = Path(workload)
+    else:
+        return None
+    timed = sorted(((r["timestamp"] / 1000.0 * opts.time_scale, r) for r in read_trace(path)),
+                   key=lambda x: x[0])
+    records = [r for at, r in timed if opts.duration_s is None or at < opts.duration_s]
+    records = records[: opts.limit] if opts.limit is not None else records
+    if opts.max_input_tokens:
+        records = [{**r, "input_length": min(r["input_length"], opts.max_input_tokens)}
+                   for r in records]
+    return ideal_hit_rate(records)
 
 
 class Replayer:
@@ -171,7 +248,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest replay", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", required=True,
                    help=f"one of {', '.join(WORKLOADS)}, or a Mooncake-format file")
-    p.add_argument("--target", required=True, help="base URL (gateway or engine)")
+    p.add_argument("--target", help="base URL (gateway or engine); or use --engines")
+    p.add_argument("--engines", type=int,
+                   help="start a gateway with this many simulated engines and replay through it")
+    p.add_argument("--policy", default="default", choices=sorted(POLICIES),
+                   help="scheduler policy of that gateway (with --engines)")
+    p.add_argument("--sim-profile", default="h200-llama3-8b")
+    p.add_argument("--sim-num-blocks", type=int, default=200_000,
+                   help="KV blocks per simulated engine")
+    p.add_argument("--sim-speed", type=float,
+                   help="simulated seconds per wall second (default 1 / --time-scale)")
+    p.add_argument("--index-bytes", type=int, default=512 << 20,
+                   help="prefix index memory cap of that gateway, bytes")
+    p.add_argument("--config-out", help="keep the generated config folder here")
     p.add_argument("--model", default="sim-model")
     p.add_argument("--duration", type=float, default=60.0, help="send window, s")
     p.add_argument("--drain", type=float, default=30.0, help="wait for in-flight, s")
@@ -197,6 +286,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if (args.target is None) == (args.engines is None):
+        print("give exactly one of --target and --engines", file=sys.stderr)
+        return 2
     opts = WorkloadOptions(model=args.model, limit=args.limit, duration_s=args.duration,
                            time_scale=args.time_scale, rate=args.rate,
                            max_input_tokens=args.max_input_tokens,
@@ -207,10 +299,14 @@ def main(argv: list[str]) -> int:
     for item in args.api_key:
         tenant, _, key = item.partition("=")
         keys.setdefault(tenant, []).append(key)
-    engines = [EngineStats(u) for u in args.engine_metrics]
-    replayer = Replayer(args.target, keys, args.duration, args.drain)
-    results, wall = asyncio.run(replayer.run(workload.requests, engines, args.scrape_interval))
-    summary = summarize(results, engines, Slo(args.slo_ttft_ms, args.slo_tpot_ms), wall)
+    if args.engines is not None:
+        summary, results, engines = _run_with_gateway(args, opts, workload, keys)
+    else:
+        engines = [EngineStats(u) for u in args.engine_metrics]
+        replayer = Replayer(args.target, keys, args.duration, args.drain)
+        results, wall = asyncio.run(replayer.run(workload.requests, engines,
+                                                 args.scrape_interval))
+        summary = summarize(results, engines, Slo(args.slo_ttft_ms, args.slo_tpot_ms), wall)
     summary["workload"] = workload.name
     print(format_summary(summary))
     if args.out:
@@ -222,3 +318,31 @@ def main(argv: list[str]) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return 0
+
+
+def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
+                      keys: dict[str, list[str]]) -> tuple[dict, list[Result], list[EngineStats]]:
+    """Start ``sluice serve`` with ``args.engines`` simulated engines and policy
+    ``args.policy``, replay through it, and summarise with the routing keys."""
+    import tempfile
+
+    speed = args.sim_speed or 1.0 / args.time_scale
+    sim_args = ["--profile", args.sim_profile, "--num-blocks", str(args.sim_num_blocks),
+                "--speed", f"{speed:g}"]
+    folder = Path(args.config_out or tempfile.mkdtemp(prefix="sluice-bench-"))
+    write_sim_config(folder, args.engines, args.policy, args.model, sim_args, args.index_bytes)
+    with gateway(folder, log_path=folder / "gateway.log") as gw:
+        engines = [EngineStats(u) for u in gw.engine_urls()]
+        replayer = Replayer(gw.url, keys, args.duration, args.drain)
+        results, wall = asyncio.run(replayer.run(workload.requests, engines,
+                                                 args.scrape_interval))
+    summary = summarize(results, engines, Slo(args.slo_ttft_ms, args.slo_tpot_ms), wall)
+    ttft = summary["ttft_ms"]
+    summary.update({
+        "policy": args.policy, "engines_n": args.engines,
+        "ideal_hit_rate": replayed_ideal_hit_rate(args.workload, opts),
+        "ttft_p50_ms": ttft["p50"], "ttft_p90_ms": ttft["p90"], "ttft_p99_ms": ttft["p99"],
+        "setup": {"sim_args": sim_args, "time_scale": args.time_scale, "limit": args.limit,
+                  "duration_s": args.duration, "config_dir": str(folder)},
+    })
+    return summary, results, engines
