@@ -32,6 +32,10 @@ endif
 
 $(VENV)/.dev: $(VENV)/.engine
 	$(BIN)/pip install -e '.[model,dev]'
+	# headless Chromium for the dashboard test (playwright drives it; no browser download)
+	if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 \
+	    && [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi
 	touch $@
 
 install: $(VENV)/.engine
