@@ -23,6 +23,7 @@ import contextlib
 import json
 import math
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -464,6 +465,14 @@ async def test_live_dashboard_during_load(browser, live_gateway, tmp_path: Path)
         assert w.foreign == [] and w.errors == []
 
         await w.page.screenshot(path=str(tmp_path / "dashboard-after.png"), full_page=True)
+
+        # the Grafana dashboard's metric names are what this gateway exports
+        async with session.get(gw.url + "/metrics") as r:
+            exported = set(re.findall(r"^(sluice_\w+)", await r.text(), re.M))
+        grafana = json.loads((REPO / "config" / "grafana" / "sluice-dashboard.json").read_text())
+        used = set(re.findall(r"\bsluice_\w+", json.dumps(grafana)))
+        optional = {"sluice_degraded_total", "sluice_engine_prefix_match_ratio"}  # none here
+        assert used - optional <= exported, (used - optional) - exported
     out = REPO / "out"
     out.mkdir(exist_ok=True)
     shutil.copy(tmp_path / "dashboard.png", out / "dashboard.png")
