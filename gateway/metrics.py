@@ -29,9 +29,11 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-#: Outcomes that are counted as rejections (shed, rate limited, refused), by tenant.
+#: Outcomes counted in ``sluice_rejected_total``: admission control said no (rate
+#: limited, shed, queue timeout, no engine, over the tenant's prompt limit). Bad keys
+#: and bad requests are not load and show only in ``sluice_requests_total``.
 REJECTIONS = {Outcome.RATE_LIMITED, Outcome.OVERLOADED, Outcome.QUEUE_TIMEOUT,
-              Outcome.NO_ENGINE, Outcome.CONTEXT_LENGTH_EXCEEDED, Outcome.UNAUTHORIZED}
+              Outcome.NO_ENGINE, Outcome.CONTEXT_LENGTH_EXCEEDED}
 
 
 def rejection_reason(rec: RequestRecord) -> str:
