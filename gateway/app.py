@@ -29,7 +29,7 @@ from gateway.admin import METRICS, STATS, metrics_app, metrics_handler, stats_ha
 from gateway.auth import TenantDirectory
 from gateway.dashboard import dashboard
 from gateway.director import Director, Placement
-from gateway.keys import CONFIG, OBSERVERS, POOL, SESSION, TENANT, TENANTS, TRACER
+from gateway.keys import CONFIG, OBSERVERS, POOL, SESSION, SPANS, TENANT, TENANTS
 from gateway.metrics import FleetCollector, GatewayMetrics
 from gateway.middlewares import auth_middleware, errors_middleware
 from gateway.proxy import EngineClient
@@ -105,8 +105,8 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app[METRICS] = metrics
     app[OBSERVERS] = ([metrics.observe] if obs.metrics else []) + (
         [log_access] if obs.access_log else [])
-    tracer, provider = make_tracer(obs, span_exporter)
-    app[TRACER] = tracer
+    spans, provider = make_tracer(obs, span_exporter)
+    app[SPANS] = spans
 
     def queues() -> dict[str, AdmissionQueue[Placement]]:
         return app[DIRECTOR].queues if DIRECTOR in app else {}
@@ -146,7 +146,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
             cfg, app[POOL], Scheduler(cfg.engines.scheduler),
             EngineClient(app[SESSION], cfg.gateway.timeouts),
             RateLimiter(store, lease_ttl_s=limits.lease_ttl_s), queues,
-            SaturationDetector.from_config(cfg.engines), cache, tracer)
+            SaturationDetector.from_config(cfg.engines), cache, spans)
 
         def kick() -> None:
             for q in queues.values():

@@ -15,8 +15,7 @@ import time
 from dataclasses import dataclass
 
 from aiohttp import web
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Tracer
+from opentelemetry.trace import SpanKind
 
 from cache.policy import request_cacheable
 from cache.replay import as_json, as_sse
@@ -29,7 +28,7 @@ from gateway.keys import RECORD, TENANT
 from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_request
 from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
 from gateway.record import RequestRecord
-from gateway.tracing import inject_traceparent
+from gateway.tracing import Spans, inject_traceparent
 from limits.admission import AdmissionQueue
 from limits.degrade import DEGRADED_HEADER, degrade
 from limits.outcome import Outcome, Rejected
@@ -86,7 +85,7 @@ class Director:
     def __init__(self, cfg: Config, pool: EnginePool, scheduler: Scheduler,
                  client: EngineClient, limiter: RateLimiter,
                  queues: dict[str, AdmissionQueue[Placement]], detector: SaturationDetector,
-                 cache: ResponseCache | None, tracer: Tracer | None = None) -> None:
+                 cache: ResponseCache | None, spans: Spans | None = None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.scheduler = scheduler
@@ -96,7 +95,7 @@ class Director:
         self.detector = detector
         self.cache = cache
         self._degradation: dict[str, DegradationConfig] = {}
-        self.tracer = tracer or trace.NoOpTracer()
+        self.spans = spans or Spans(None)
         self.prompts = PromptBlocks(cfg.engines, pool)
         #: models whose every engine accepts vLLM's ``cache_salt``
         self._salted = {m for m in cfg.engines.model_names()
@@ -238,7 +237,7 @@ class Director:
             creq = self._cache_request(request, tenant, req)
             if creq is not None and self.cache.eligible(creq):  # type: ignore[union-attr]
                 rec.cache = "miss"
-                with self.tracer.start_as_current_span("cache.lookup") as span:
+                with self.spans("cache.lookup") as span:
                     hit = await self.cache.lookup(creq)  # type: ignore[union-attr]
                     span.set_attribute("sluice.cache.hit", hit.kind if hit else "miss")
                 if hit is not None:
@@ -259,7 +258,7 @@ class Director:
 
     async def _reserve(self, tenant: TenantQuota, tokens: int, rec: RequestRecord, *,
                        concurrency: bool = True) -> Reservation:
-        with self.tracer.start_as_current_span("ratelimit.reserve") as span:
+        with self.spans("ratelimit.reserve") as span:
             span.set_attribute("sluice.reserved_tokens", tokens)
             return await self.limiter.reserve(tenant, tokens, request_id=rec.request_id,
                                               concurrency=concurrency)
@@ -324,7 +323,7 @@ class Director:
         queue = self.queues[req.model]
         ticket = queue.ticket(tenant, self._tokens(req), request_id=rec.request_id,
                               timeout_s=timeout_s)
-        with self.tracer.start_as_current_span("queue.wait") as span:
+        with self.spans("queue.wait") as span:
             span.set_attribute("sluice.priority", tenant.priority)
             span.set_attribute("sluice.queue_depth", len(queue))
             waited_from = time.perf_counter()
@@ -336,7 +335,7 @@ class Director:
         tried: set[str] = set()
         while True:
             rec.engine, rec.scores = placement.engine.id, placement.scores
-            with self.tracer.start_as_current_span("schedule") as span:
+            with self.spans("schedule") as span:
                 span.set_attribute("sluice.engine", placement.engine.id)
                 for name, score in placement.scores.items():
                     span.set_attribute(f"sluice.score.{name}", score)
@@ -345,10 +344,11 @@ class Director:
             if rec.degraded:
                 headers[DEGRADED_HEADER] = ", ".join(rec.degraded)
             try:
-                with self.tracer.start_as_current_span("upstream", kind=SpanKind.CLIENT) as span:
+                with self.spans("upstream", kind=SpanKind.CLIENT) as span:
                     span.set_attribute("sluice.engine", placement.engine.id)
                     upstream = {"x-request-id": rec.request_id}
-                    inject_traceparent(upstream)
+                    if self.spans.enabled:
+                        inject_traceparent(upstream)
                     result = await self.client.send(placement.engine, req, request, headers,
                                                     upstream)
                 rec.outcome, rec.ttft_s = result.outcome, result.ttft_s

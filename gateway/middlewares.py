@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind
 
 from gateway.auth import presented_key
 from gateway.errors import error_response
-from gateway.keys import CONFIG, OBSERVERS, RECORD, REQUEST_ID, TENANT, TENANTS, TRACER
+from gateway.keys import CONFIG, OBSERVERS, RECORD, REQUEST_ID, SPANS, TENANT, TENANTS
 from gateway.record import RequestRecord
 from gateway.tracing import PROPAGATOR, finish_span
 from limits.outcome import Outcome, Rejected
@@ -66,9 +66,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     request[RECORD] = rec
     if not request.path.startswith("/v1/"):
         return await _run(request, handler, rec)
-    parent = PROPAGATOR.extract(request.headers)
-    with request.app[TRACER].start_as_current_span(
-            f"{request.method} {request.path}", context=parent, kind=SpanKind.SERVER) as span:
+    spans = request.app[SPANS]
+    parent = PROPAGATOR.extract(request.headers) if spans.enabled else None
+    with spans(f"{request.method} {request.path}", context=parent, kind=SpanKind.SERVER) as span:
         try:
             return await _run(request, handler, rec)
         finally:

@@ -11,12 +11,14 @@ Attributes follow the OpenTelemetry GenAI semantic conventions
 answer text is recorded.
 
 Spans are exported over OTLP/HTTP when ``observability.otlp_endpoint`` is set, to an
-injected exporter in tests, and otherwise not made at all (a no-op tracer).
+injected exporter in tests, and otherwise not made at all.
 """
 
 from __future__ import annotations
 
 from collections.abc import MutableMapping
+from contextlib import AbstractContextManager
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -32,11 +34,46 @@ PROPAGATOR = TraceContextTextMapPropagator()
 OPERATION = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
 
 
+class _NoSpan:
+    """What :class:`Spans` gives when tracing is off: a context manager yielding the
+    invalid span, whose setters do nothing (cheaper than a no-op tracer, which still
+    attaches a context per span)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Span:
+        return trace.INVALID_SPAN
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+NO_SPAN = _NoSpan()
+
+
+class Spans:
+    """Starts spans on ``tracer``, or nothing at all when ``tracer`` is None.
+
+    ``spans(name, **kw)`` is ``tracer.start_as_current_span(name, **kw)`` when
+    tracing is on and :data:`NO_SPAN` otherwise; ``enabled`` tells which.
+    """
+
+    def __init__(self, tracer: Tracer | None) -> None:
+        self.tracer = tracer
+        self.enabled = tracer is not None
+
+    def __call__(self, name: str, **kw: Any) -> AbstractContextManager[Span]:
+        if self.tracer is None:
+            return NO_SPAN
+        return self.tracer.start_as_current_span(name, **kw)
+
+
 def make_tracer(cfg: ObservabilityConfig,
-                exporter: SpanExporter | None = None) -> tuple[Tracer, TracerProvider | None]:
-    """A tracer for the app (never the global one) and its provider to shut down."""
+                exporter: SpanExporter | None = None) -> tuple[Spans, TracerProvider | None]:
+    """Spans for the app (never the global tracer provider) and the provider to shut
+    down (None when tracing is off)."""
     if not cfg.tracing or (exporter is None and not cfg.otlp_endpoint):
-        return trace.NoOpTracer(), None
+        return Spans(None), None
     provider = TracerProvider(resource=Resource.create({"service.name": "sluice-gateway"}))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -44,7 +81,7 @@ def make_tracer(cfg: ObservabilityConfig,
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.otlp_endpoint)))
-    return provider.get_tracer("sluice.gateway"), provider
+    return Spans(provider.get_tracer("sluice.gateway")), provider
 
 
 def inject_traceparent(headers: MutableMapping[str, str]) -> None:
