@@ -28,10 +28,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import aiohttp
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
-
-import yaml
 
 from loadtest.launch import gateway
 from loadtest.report import EngineSample, EngineStats, Result, Slo, format_summary, plot, summarize
