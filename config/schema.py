@@ -324,11 +324,16 @@ class SaturationConfig(_Strict):
     max_in_flight: int | None = Field(
         None, ge=1, description="requests this gateway keeps in flight on one engine "
         "(None: no cap); the batch size that still meets the TPOT SLO")
+    interactive_reserve: int = Field(
+        0, ge=0, description="slots of max_in_flight only interactive requests may take")
 
     @model_validator(mode="after")
     def _order(self) -> SaturationConfig:
         if self.batch_kv_watermark > self.kv_watermark:
             raise ValueError("batch_kv_watermark must not exceed kv_watermark")
+        if self.interactive_reserve and (self.max_in_flight is None
+                                         or self.interactive_reserve >= self.max_in_flight):
+            raise ValueError("interactive_reserve needs a larger max_in_flight")
         return self
 
 

@@ -14,7 +14,10 @@ priority when all hold:
    run on the engine: decode time per step grows with the batch, so the batch size
    that still meets the TPOT SLO is a hard cap (the concurrency limit of a
    closed-loop admission controller; vLLM's ``--max-num-seqs`` plays the same role
-   inside the engine, where the excess would wait unordered);
+   inside the engine, where the excess would wait unordered); standard and batch
+   requests stop ``interactive_reserve`` slots earlier, so a burst of interactive
+   requests finds a slot at once instead of waiting for one to free (the KV
+   headroom below, applied to batch slots);
 5. when block size and count are known, the request's blocks
    ``ceil(tokens / block_size)`` fit ``num_blocks × (ceiling − usage) −
    promised_blocks``, where the ceiling is 1.0, or ``batch_watermark`` for batch.
@@ -53,16 +56,19 @@ class SaturationDetector:
         max_waiting: most requests waiting inside the engine (default 4).
         stale_s: oldest usable metrics, s (default 5).
         max_in_flight: most requests in flight per engine, or None (default) for no cap.
+        interactive_reserve: slots of ``max_in_flight`` that only interactive requests
+            may take (default 0).
     """
 
     def __init__(self, watermark: float = 0.9, batch_watermark: float = 0.8,
                  max_waiting: int = 4, stale_s: float = 5.0,
-                 max_in_flight: int | None = None) -> None:
+                 max_in_flight: int | None = None, interactive_reserve: int = 0) -> None:
         self.watermark = watermark
         self.batch_watermark = batch_watermark
         self.max_waiting = max_waiting
         self.stale_s = stale_s
         self.max_in_flight = max_in_flight
+        self.interactive_reserve = interactive_reserve
 
     @classmethod
     def from_config(cls, engines: EnginesConfig) -> SaturationDetector:
@@ -70,7 +76,7 @@ class SaturationDetector:
         ``supervisor.metrics_stale_s``."""
         s = engines.saturation
         return cls(s.kv_watermark, s.batch_kv_watermark, s.max_waiting,
-                   engines.supervisor.metrics_stale_s, s.max_in_flight)
+                   engines.supervisor.metrics_stale_s, s.max_in_flight, s.interactive_reserve)
 
     def admits(self, load: EngineLoad, priority: Priority, tokens: int, now: float) -> bool:
         """Whether ``load``'s engine may take a ``priority`` request of ``tokens``
@@ -80,8 +86,10 @@ class SaturationDetector:
             return False
         if load.num_waiting > self.max_waiting:
             return False
-        if self.max_in_flight is not None and load.in_flight >= self.max_in_flight:
-            return False
+        if self.max_in_flight is not None:
+            cap = self.max_in_flight - (0 if priority == "interactive" else self.interactive_reserve)
+            if load.in_flight >= cap:
+                return False
         batch = priority == "batch"
         if usage >= (self.batch_watermark if batch else self.watermark):
             return False

@@ -167,7 +167,8 @@ def write_gateway_config(directory: Path, engine_urls: list[str], max_in_flight:
                     for i, u in enumerate(engine_urls)],
         "supervisor": {"metrics_interval_s": 0.25, "probe_interval_s": 1.0,
                        "inference_probe_idle_s": 3600},
-        "saturation": {"max_in_flight": max_in_flight},
+        "saturation": {"max_in_flight": max_in_flight,
+                       "interactive_reserve": args.interactive_reserve},
     }))
     waits = {"interactive": args.interactive_wait, "standard": args.standard_wait,
              "batch": args.batch_wait}
@@ -390,6 +391,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--probe-duration", type=float, default=30.0)
     p.add_argument("--probe-warmup", type=float, default=10.0)
     p.add_argument("--max-in-flight", type=int, help="default: the probe's best batch")
+    p.add_argument("--interactive-reserve", type=int, default=3,
+                   help="saturation.interactive_reserve: in-flight slots per engine "
+                   "only interactive requests may take")
     p.add_argument("--queue-max", type=int, default=256)
     p.add_argument("--interactive-wait", type=float, default=2.0,
                    help="max_queue_wait_s of the interactive tenant")

@@ -76,6 +76,14 @@ def test_in_flight_cap() -> None:
     assert detector.admits(Load(in_flight=10**6), "interactive", 1, NOW)  # no cap by default
 
 
+def test_interactive_reserve() -> None:
+    d = SaturationDetector(max_in_flight=4, interactive_reserve=1)
+    assert d.admits(Load(in_flight=3), "interactive", 1, NOW)
+    assert not d.admits(Load(in_flight=3), "standard", 1, NOW)
+    assert not d.admits(Load(in_flight=3), "batch", 1, NOW)
+    assert d.admits(Load(in_flight=2), "batch", 1, NOW)
+
+
 def test_from_config() -> None:
     cfg = EnginesConfig.model_validate({
         "saturation": {"kv_watermark": 0.95, "batch_kv_watermark": 0.7, "max_waiting": 0,
