@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 
 import pytest
@@ -228,6 +229,17 @@ async def test_predicted_wait_counts_only_bands_ahead() -> None:
     whole = q.predicted_wait_s()  # 9 batch + 1 new over the drain rate
     assert q.predicted_wait_s("standard") == pytest.approx(whole / 10, rel=1e-3)
     assert q.predicted_wait_s("batch") == pytest.approx(whole, rel=1e-3)
-    assert q.retry_after_s() == 60  # capped at max_retry_after_s
+    assert q.retry_after_s() == math.ceil(whole)
     q.close()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_drain_rate_reads_a_busy_start_as_busy() -> None:
+    from limits.drain_rate import DrainRate
+
+    d = DrainRate(tau_s=10)
+    assert d.rate(0.0) == 0.0
+    for i in range(30):  # 30 admissions in the first second
+        d.add(i / 30)
+    assert 25 < d.rate(1.0) < 35  # not 30 / tau = 3 per second
+    assert d.rate(100.0) < 0.01  # and a stall still decays to 0
