@@ -64,16 +64,16 @@ def made_progress(
     before: MetricsSnapshot | None, after: MetricsSnapshot | None, now: float, stale_s: float
 ) -> bool:
     """Whether an engine that failed a probe is nonetheless working: its latest
-    metrics are fresh (scraped at most ``stale_s`` seconds before ``now``) and either
-    it has requests running or its counters moved since ``before`` (the snapshot
-    seen at the previous probe). Answering ``/metrics`` at all shows the server is
-    up; running requests or moving counters show the model is busy, not hung."""
+    metrics are fresh (scraped at most ``stale_s`` seconds before ``now``) and its
+    counters moved since ``before`` (the snapshot seen at the previous probe):
+    tokens generated, prompts admitted, or the waiting queue changed. Answering
+    ``/metrics`` shows the server is up; moving counters show the model is busy, not
+    hung (requests merely counted as running may be stuck)."""
     if after is None or now - after.at > stale_s:
         return False
-    if after.num_running > 0:
-        return True
     return before is not None and after.at > before.at and (
-        after.prefix_cache_queries != before.prefix_cache_queries
+        after.generation_tokens != before.generation_tokens
+        or after.prefix_cache_queries != before.prefix_cache_queries
         or after.num_waiting != before.num_waiting
     )
 

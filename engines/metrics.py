@@ -28,6 +28,7 @@ WAITING = "vllm:num_requests_waiting"
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
 CACHE_CONFIG = "vllm:cache_config_info"
+GENERATION = "vllm:generation_tokens"
 
 
 @dataclass
@@ -40,7 +41,8 @@ class _Series:
 
 #: Sample lines worth parsing start with one of these; vLLM's full exposition is
 #: ~55 kB of mostly histograms, which prometheus_client parses in tens of ms.
-_WANTED = (KV_USAGE, KV_USAGE_OLD, RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG)
+_WANTED = (KV_USAGE, KV_USAGE_OLD, RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG,
+           GENERATION)
 
 
 def _collect(text: str) -> dict[str, _Series]:
@@ -112,6 +114,7 @@ def parse_metrics(text: str, at: float) -> MetricsSnapshot:
         num_waiting=int(total(WAITING)),
         prefix_cache_queries=total(PREFIX_QUERIES),
         prefix_cache_hits=total(PREFIX_HITS),
+        generation_tokens=total(GENERATION),
         block_size=block_size,
         num_blocks=num_blocks,
     )

@@ -38,6 +38,7 @@ class MetricsSnapshot:
         num_waiting: ``vllm:num_requests_waiting``, requests.
         prefix_cache_queries: ``vllm:prefix_cache_queries[_total]``, tokens (counter).
         prefix_cache_hits: ``vllm:prefix_cache_hits[_total]``, tokens (counter).
+        generation_tokens: ``vllm:generation_tokens[_total]``, tokens (counter).
         block_size: tokens per KV block, from ``vllm:cache_config_info``.
         num_blocks: KV blocks (``num_gpu_blocks`` label of ``vllm:cache_config_info``).
     """
@@ -48,6 +49,7 @@ class MetricsSnapshot:
     num_waiting: int = 0
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
+    generation_tokens: float = 0.0
     block_size: int | None = None
     num_blocks: int | None = None
 
@@ -67,6 +69,9 @@ class Engine:
             (prefix index) drop entries from older generations.
         promised_blocks: KV blocks reserved by in-flight requests (limits' KV budget).
         restarts: restarts so far.
+        upstream_failures: requests in a row that timed out before their first token
+            or could not connect (the gateway resets it on a success); at the
+            supervisor's ``failure_threshold`` the engine's probes count as failed.
     """
 
     id: str
@@ -78,6 +83,7 @@ class Engine:
     generation: int = 0
     promised_blocks: int = 0
     restarts: int = 0
+    upstream_failures: int = 0
     labels: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -7,12 +7,15 @@
   ``probe_interval_s``; ``ready`` on the first success. Not ready within
   ``startup_grace_s`` → restart.
 * ``ready`` — probed every ``probe_interval_s``; when no probe has seen a request
-  of this gateway in flight on it for ``inference_probe_idle_s``, the probe is a
-  1-token completion instead (then again every ``inference_probe_idle_s`` while
-  idle). A failed probe does not count while the metrics show the
-  engine busy and making progress (:func:`~engines.health.made_progress`).
+  of this gateway in flight on it for ``inference_probe_idle_s``, the probe adds a
+  1-token completion (then again every ``inference_probe_idle_s`` while idle).
+  ``failure_threshold`` requests in a row that timed out before their first token or
+  could not connect (``Engine.upstream_failures``, counted by the gateway) fail the
+  probes too. A failed probe does not count while the metrics show the engine busy
+  and making progress (:func:`~engines.health.made_progress`).
   ``failure_threshold`` consecutive failures → ``unhealthy``.
-* ``unhealthy`` — no traffic, still probed: a success returns it to ``ready``;
+* ``unhealthy`` — no traffic, still probed, always with a 1-token completion (its
+  ``/health`` may answer while inference hangs): a success returns it to ``ready``;
   another ``failure_threshold`` failures → restart.
 * ``restarting`` — the process group is killed; after the backoff
   (:func:`~engines.health.backoff_delay` of the consecutive-failure streak)
@@ -190,10 +193,19 @@ class EngineRunner:
                 continue
             if engine.in_flight > 0:
                 last_busy = now
-            inference = now - last_busy >= cfg.inference_probe_idle_s
+            # an unhealthy engine must answer a real 1-token completion to come back
+            # (its /health may answer while inference hangs)
+            inference = (engine.state is EngineState.UNHEALTHY
+                         or now - last_busy >= cfg.inference_probe_idle_s)
             ok = await self._race(self._probe(inference), exited)
             if inference:
                 last_busy = self.clock()
+                if ok:  # a real completion worked: the traffic failures are history
+                    engine.upstream_failures = 0
+            # failure_threshold requests in a row that timed out before their first token
+            # or could not connect fail the probes too (DESIGN.md, Engines), until an
+            # inference probe succeeds -- unless the engine is visibly making progress
+            ok = ok and engine.upstream_failures < cfg.failure_threshold
             ok = ok or made_progress(seen, engine.metrics, self.clock(), cfg.metrics_stale_s)
             seen = engine.metrics
             if ok:
@@ -209,9 +221,10 @@ class EngineRunner:
                 return f"unhealthy for {failures} probes"
 
     async def _probe(self, inference: bool) -> bool:
-        probe = probe_inference if inference else probe_ready
-        return await probe(self.session, self.engine.base_url, self.engine.model,
-                           self.cfg.probe_timeout_s)
+        """``/health`` (+ ``/v1/models``), then, if ``inference``, a 1-token completion
+        as well: both must pass."""
+        args = (self.session, self.engine.base_url, self.engine.model, self.cfg.probe_timeout_s)
+        return await probe_ready(*args) and (not inference or await probe_inference(*args))
 
     async def stop_process(self, grace_s: float) -> None:
         """SIGTERM the current process group, SIGKILL after ``grace_s`` seconds.

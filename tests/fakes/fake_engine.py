@@ -39,7 +39,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def make_app(args: argparse.Namespace) -> web.Application:
-    state = {"running": 0, "queries": 0}
+    state = {"running": 0, "queries": 0, "generated": 0}
 
     async def health(_: web.Request) -> web.Response:
         if args.health_fail_file and args.health_fail_file.exists():
@@ -65,12 +65,14 @@ def make_app(args: argparse.Namespace) -> web.Application:
 
     async def metrics(_: web.Request) -> web.Response:
         labels = f'engine="0",model_name="{args.model}"'
+        state["generated"] += state["running"]  # running requests decode between scrapes
         text = (
             f"vllm:num_requests_running{{{labels}}} {state['running']}\n"
             f"vllm:num_requests_waiting{{{labels}}} 0\n"
             f"vllm:kv_cache_usage_perc{{{labels}}} {0.01 * state['running']}\n"
             f"vllm:prefix_cache_queries_total{{{labels}}} {state['queries']}\n"
             f"vllm:prefix_cache_hits_total{{{labels}}} 0\n"
+            f"vllm:generation_tokens_total{{{labels}}} {state['generated']}\n"
             f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="100",{labels}}} 1\n'
         )
         return web.Response(text=text)

@@ -257,3 +257,25 @@ async def test_models_lists_ready_engines_while_one_is_down(engines):
         r = await gw.session.get(gw.url + "/ready")
         assert r.status == 503 and (await r.json())["missing_models"] == ["second-model"]
         assert (await gw.session.get(gw.url + "/health")).status == 200
+
+
+async def test_first_token_timeouts_count_as_failed_probes(engines):
+    (fake,) = await engines(1, mode="slow_first", delay_s=5.0)
+    cfg = make_config([fake], gateway={"timeouts": {"first_token_s": 0.25}})
+    async with run_gateway(cfg) as gw:
+        engine = gw.pool.engines[0]
+        for _ in range(2):  # /health answers, but no token ever comes
+            r = await gw.post("/v1/chat/completions", {**CHAT, "stream": True})
+            assert r.status == 504
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 3
+        while engine.routable and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        assert (engine.state.value, engine.upstream_failures) == ("unhealthy", 2)
+        await asyncio.sleep(1.5)  # /health answers, but the inference probe still hangs
+        assert engine.state.value == "unhealthy"
+        fake.mode = "ok"  # a 1-token completion answers again: back in service
+        deadline = loop.time() + 3
+        while not engine.routable and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        assert engine.routable

@@ -18,8 +18,12 @@ def test_no_metrics_or_stale_metrics_is_no_progress() -> None:
     assert not made_progress(None, stale, 10.0, 5.0)
 
 
-def test_running_requests_with_fresh_metrics_is_progress() -> None:
-    assert made_progress(None, MetricsSnapshot(at=9.0, num_running=1), 10.0, 5.0)
+def test_generating_is_progress_but_stuck_running_requests_are_not() -> None:
+    before = MetricsSnapshot(at=8.0, num_running=1, generation_tokens=100)
+    generating = MetricsSnapshot(at=9.0, num_running=1, generation_tokens=140)
+    stuck = MetricsSnapshot(at=9.0, num_running=1, generation_tokens=100)
+    assert made_progress(before, generating, 10.0, 5.0)
+    assert not made_progress(before, stuck, 10.0, 5.0)
 
 
 def test_moving_counters_are_progress_only_across_scrapes() -> None:
