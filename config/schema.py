@@ -326,13 +326,6 @@ class SaturationConfig(_Strict):
         "(None: no cap); the batch size that still meets the TPOT SLO")
     interactive_reserve: int = Field(
         0, ge=0, description="slots of max_in_flight only interactive requests may take")
-    adaptive_reserve: bool = Field(
-        False, description="with max_in_flight: keep slots of each model for recent "
-        "interactive demand (limits.reserve); standard/batch take only the rest")
-    reserve_tau_s: float = Field(
-        10.0, gt=0, description="decay time constant of the interactive demand estimate, s")
-    reserve_headroom_sd: float = Field(
-        1.0, ge=0, description="Poisson standard deviations reserved above the estimate")
 
     @model_validator(mode="after")
     def _order(self) -> SaturationConfig:

@@ -20,7 +20,7 @@ from opentelemetry.trace import SpanKind
 from cache.policy import request_cacheable
 from cache.replay import as_json, as_sse
 from cache.service import CacheHit, CacheRequest, ResponseCache
-from config.schema import Config, DegradationConfig, Priority, TenantQuota
+from config.schema import Config, DegradationConfig, TenantQuota
 from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, PromptInput, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
@@ -33,7 +33,6 @@ from limits.admission import AdmissionQueue
 from limits.degrade import DEGRADED_HEADER, degrade
 from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter, Reservation
-from limits.reserve import InteractiveReserve
 from limits.saturation import SaturationDetector, kv_blocks
 
 #: Request fields whose output a streamed answer, reassembled, would not keep
@@ -47,13 +46,11 @@ NO_ENGINE_RETRY_S = 5
 
 @dataclass
 class Placement:
-    """An engine lease taken for one ``priority`` request: ``blocks`` promised KV
-    blocks."""
+    """An engine lease taken for one request: ``blocks`` promised KV blocks."""
 
     engine: Engine
     blocks: int
     scores: dict[str, float]
-    priority: Priority = "standard"
 
 
 def _request_timeout(request: web.Request) -> float | None:
@@ -96,10 +93,6 @@ class Director:
         self.limiter = limiter
         self.queues = queues
         self.detector = detector
-        sat = cfg.engines.saturation
-        #: slots kept for recent interactive demand (None: off, or no max_in_flight)
-        self.reserve = (InteractiveReserve(sat.reserve_tau_s, sat.reserve_headroom_sd)
-                        if sat.adaptive_reserve and sat.max_in_flight is not None else None)
         self.cache = cache
         self._degradation: dict[str, DegradationConfig] = {}
         self.spans = spans or Spans(None)
@@ -151,12 +144,8 @@ class Director:
     def _candidates(self, req: InferenceRequest, tenant: TenantQuota,
                     exclude: frozenset[str] = frozenset()) -> list[Engine]:
         now, tokens = time.monotonic(), self._tokens(req)
-        engines = [e for e in self.pool.for_model(req.model) if e.routable]
-        if self.reserve is not None and not self.reserve.admits(
-                req.model, tenant.priority, len(engines) * self.detector.max_in_flight,
-                self.queues[req.model].depth()["interactive"], now):
-            return []
-        return [e for e in engines if e.id not in exclude
+        return [e for e in self.pool.for_model(req.model)
+                if e.routable and e.id not in exclude
                 and self.detector.admits(e, tenant.priority, tokens, now)]
 
     async def _sched_request(self, request: web.Request, req: InferenceRequest,
@@ -182,15 +171,11 @@ class Director:
             return None
         blocks = kv_blocks(self._tokens(req), decision.engine.block_size)
         self.pool.acquire(decision.engine, blocks)
-        if self.reserve is not None:
-            self.reserve.started(req.model, tenant.priority)
         self.scheduler.record(sreq, decision.engine, now)
-        return Placement(decision.engine, blocks, decision.scores, tenant.priority)
+        return Placement(decision.engine, blocks, decision.scores)
 
     def _release(self, placement: Placement) -> None:
         self.pool.release(placement.engine, placement.blocks)
-        if self.reserve is not None:
-            self.reserve.finished(placement.engine.model, placement.priority)
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
         return Rejected(Outcome.NO_ENGINE,

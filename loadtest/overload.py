@@ -168,8 +168,7 @@ def write_gateway_config(directory: Path, engine_urls: list[str], max_in_flight:
         "supervisor": {"metrics_interval_s": 0.25, "probe_interval_s": 1.0,
                        "inference_probe_idle_s": 3600},
         "saturation": {"max_in_flight": max_in_flight,
-                       "interactive_reserve": args.interactive_reserve,
-                       "adaptive_reserve": args.adaptive_reserve},
+                       "interactive_reserve": args.interactive_reserve},
     }))
     waits = {"interactive": args.interactive_wait, "standard": args.standard_wait,
              "batch": args.batch_wait}
@@ -405,8 +404,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "85-88 %% interactive SLO attainment at 3x)")
     p.add_argument("--standard-wait", type=float, default=0.5)
     p.add_argument("--batch-wait", type=float, default=0.5)
-    p.add_argument("--adaptive-reserve", action="store_true",
-                   help="saturation.adaptive_reserve (limits.reserve)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--capacity", type=float,
                    help="req/s: skip the probes and take this capacity (with --max-in-flight)")
