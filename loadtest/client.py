@@ -7,6 +7,7 @@ token) / (output tokens − 1); E2E is the whole request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -107,3 +108,22 @@ def percentile_ms(values: list[float | None], q: float) -> float | None:
     """The ``q``-th percentile (0–100) of the non-None values, in ms."""
     xs = [v for v in values if v is not None]
     return round(float(np.percentile(xs, q)) * 1000, 2) if xs else None
+
+
+async def wait_healthy(session: aiohttp.ClientSession, url: str, timeout_s: float = 60.0) -> None:
+    """Poll ``url/health`` every 0.2 s until it answers 200.
+
+    Raises:
+        TimeoutError: not healthy within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            async with session.get(url + "/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+        await asyncio.sleep(0.2)

@@ -50,7 +50,7 @@ import psutil
 import yaml
 
 from gateway.auth import hash_key
-from loadtest.client import send_measured
+from loadtest.client import send_measured, wait_healthy
 from loadtest.launch import free_port, gateway
 from loadtest.workloads import RequestSpec, WorkloadOptions
 from loadtest.workloads.scenarios import TENANTS, mixed_tenants
@@ -103,18 +103,8 @@ class Engines:
             self.urls.append(f"http://127.0.0.1:{port}")
 
     async def wait_ready(self, session: aiohttp.ClientSession, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
         for url in self.urls:
-            while True:
-                try:
-                    async with session.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"engine {url} did not start")
-                await asyncio.sleep(0.2)
+            await wait_healthy(session, url, timeout_s)
 
     async def wait_idle(self, session: aiohttp.ClientSession, timeout_s: float = 30) -> None:
         """Until no engine has requests running or waiting."""

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,9 @@ from dataclasses import asdict, dataclass
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.client import wait_healthy
+from loadtest.launch import free_port
 
 #: Token ids for random prompts: inside any modern vocabulary, above special tokens.
 _TOKEN_RANGE = (1000, 30000)
@@ -122,21 +124,6 @@ async def probe(base: str, args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-async def _wait_healthy(base: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as s:
-        while True:
-            try:
-                async with s.get(f"{base}/health") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{base} not healthy after {timeout_s} s")
-            await asyncio.sleep(0.2)
-
-
 def _unit(metric: str) -> str:
     return ("ms" if "_ms" in metric else "tok/s" if "tok_s" in metric else "tokens")
 
@@ -145,9 +132,7 @@ async def _run(args: argparse.Namespace) -> list[Row]:
     proc = None
     sim_url = args.sim
     if sim_url is None:
-        with socket.socket() as sock:  # a free loopback port
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         async with aiohttp.ClientSession() as s:
             model = args.model or await _model(s, args.real)
         proc = subprocess.Popen([sys.executable, "-m", "loadtest.sim_engine", "--port",
@@ -155,7 +140,8 @@ async def _run(args: argparse.Namespace) -> list[Row]:
                                  "--speed", str(args.speed)])
         sim_url = f"http://127.0.0.1:{port}"
     try:
-        await _wait_healthy(sim_url)
+        async with aiohttp.ClientSession() as session:
+            await wait_healthy(session, sim_url, 30.0)
         real = await probe(args.real, args)
         sim = await probe(sim_url, args)
     finally:
