@@ -120,18 +120,23 @@ class EnginePool:
     """
 
     def __init__(self, engines: list[Engine] | None = None) -> None:
-        self.engines: list[Engine] = list(engines or [])
+        self.engines: list[Engine] = []
+        self._by_model: dict[str, list[Engine]] = {}  # for_model on the request path
         self.listeners: list[Callable[[], None]] = []
+        for e in engines or ():
+            self.add(e)
 
     def add(self, engine: Engine) -> None:
         self.engines.append(engine)
+        self._by_model.setdefault(engine.model, []).append(engine)
         self.notify()
 
     def get(self, engine_id: str) -> Engine | None:
         return next((e for e in self.engines if e.id == engine_id), None)
 
     def for_model(self, model: str) -> list[Engine]:
-        return [e for e in self.engines if e.model == model]
+        """The engines serving ``model`` (do not modify the list)."""
+        return self._by_model.get(model, [])
 
     def ready_models(self) -> list[str]:
         """Models with at least one ready engine, in configuration order."""

@@ -200,8 +200,10 @@ class Director:
                 self.cfg.engines.model_settings(req.model).degradation
         if tenant.priority not in dcfg.sheddable:
             return
-        original = dict(req.body)
         rungs = (dcfg.max_tokens_cap is not None) + (dcfg.fallback_model is not None)
+        if rungs == 0 and not len(self.queues[req.model]):
+            return  # nothing to climb, and an empty queue predicts no wait: not shed
+        original = dict(req.body)
 
         def saturated() -> bool:
             return bool(len(self.queues[req.model])) or not self._candidates(req, tenant)
@@ -216,7 +218,7 @@ class Director:
             rec.degraded = d.actions
             req.apply_body(d.body)
         queue = self.queues[req.model]
-        if saturated() and len(queue) and queue.predicted_wait_s(tenant.priority) > max_wait_s:
+        if len(queue) and queue.predicted_wait_s(tenant.priority) > max_wait_s:
             degrade(original, priority=tenant.priority, config=dcfg, level=rungs + 1,
                     retry_after_s=queue.retry_after_s())
 
