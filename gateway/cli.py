@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -56,6 +57,10 @@ async def _serve(cfg: Config, host: str, port: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await runner.setup()
+    # Start-up built a large, long-lived object graph (the embedding model, tokenizers,
+    # config): move it out of the collector's reach so full collections stay short
+    # (https://docs.python.org/3/library/gc.html#gc.freeze).
+    gc.freeze()
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
