@@ -308,6 +308,9 @@ def main(argv: list[str]) -> int:
         summary = summarize(results, engines, Slo(args.slo_ttft_ms, args.slo_tpot_ms), wall)
     summary["workload"] = workload.name
     print(format_summary(summary))
+    for path in (args.out, args.json):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             for r in results:
