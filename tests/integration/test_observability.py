@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
 from gateway.auth import hash_key
+from tests.conftest import free_port
 from tests.integration.conftest import make_config, run_gateway
 from tests.integration.test_gateway_api import CHAT
 
@@ -164,3 +165,14 @@ async def test_admin_stats_needs_admin_key_when_configured(engines):
         assert r.status == 401
         r = await gw.session.get(gw.url + "/admin/stats", headers={"x-api-key": "adm"})
         assert r.status == 200 and "series" in await r.json()
+
+
+async def test_metrics_on_a_separate_listen_address(engines):
+    (fake,) = await engines(1)
+    port = free_port()
+    cfg = make_config([fake], gateway={"observability": {"metrics_listen": f"127.0.0.1:{port}"}})
+    async with run_gateway(cfg) as gw:
+        assert (await gw.post("/v1/chat/completions", CHAT)).status == 200
+        r = await gw.session.get(f"http://127.0.0.1:{port}/metrics")
+        assert value(samples(await r.text()), "sluice_requests_total", outcome="ok") == 1
+        assert (await gw.session.get(gw.url + "/metrics")).status == 404
