@@ -65,11 +65,6 @@ class TenantDirectory:
         digests = [(h.encode(), t) for t in cfg.tenants for h in t.api_key_hashes]
         self.cfg, self._digests = cfg, digests
 
-    def by_name(self, name: str) -> TenantQuota | None:
-        if name == self.cfg.anonymous.name:
-            return self.cfg.anonymous
-        return next((t for t in self.cfg.tenants if t.name == name), None)
-
     def resolve(self, key: str | None, remote: str | None) -> TenantQuota:
         """Raises:
             Rejected: ``Outcome.UNAUTHORIZED`` (401) as described above.

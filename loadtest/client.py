@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -35,11 +35,6 @@ class Measured:
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.error_code is None
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("headers")
-        return d
 
 
 async def send_measured(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
