@@ -62,6 +62,9 @@ def _explain(path: Path, data: dict[str, Any], err: ValidationError) -> ConfigEr
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
+        if not loc:  # a check across the whole file: the message names what is wrong
+            lines.append(f"{path}: {e['msg']}")
+            continue
         field = ".".join(str(p) for p in loc) or "<top>"
         value = e.get("input") if e["type"] != "missing" else "<missing>"
         if value is None or isinstance(value, dict):
@@ -98,9 +101,12 @@ def load_file(kind: str, path: Path) -> BaseModel:
     if kind == "tenants":
         data = _merge_tenant_defaults(data)
     try:
-        return FILES[kind].model_validate(data)
+        parsed = FILES[kind].model_validate(data)
     except ValidationError as e:
         raise _explain(path, data, e) from None
+    if kind == "engines" and not parsed.engines:  # type: ignore[attr-defined]
+        raise ConfigError(f"{path}: engines = []: at least one engine is needed")
+    return parsed
 
 
 def load_config(

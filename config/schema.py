@@ -45,6 +45,7 @@ class Timeouts(_Strict):
     idle_s: float = Field(60.0, gt=0)
     total_s: float | None = Field(None, gt=0)
     non_stream_s: float = Field(600.0, gt=0)
+    request_body_s: float = Field(30.0, gt=0, description="to receive the request body")
 
 
 class LimitsConfig(_Strict):

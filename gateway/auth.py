@@ -20,21 +20,22 @@ from limits.outcome import Outcome, Rejected
 
 
 def hash_key(key: str) -> str:
-    """SHA-256 hex digest of an API key (UTF-8)."""
-    return hashlib.sha256(key.encode()).hexdigest()
+    """SHA-256 hex digest of an API key (UTF-8; header bytes that are not UTF-8, which
+    aiohttp hands over surrogate-escaped, hash as the bytes they were)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def presented_key(request: web.Request) -> str | None:
     """The key from ``Authorization: Bearer KEY`` or ``x-api-key: KEY``; None if
-    neither header carries a non-empty key."""
-    auth = (request.headers.get("Authorization") or "").strip()
-    if auth:
-        scheme, _, token = auth.partition(" ")
+    neither header is present (an empty key is a key, and matches no tenant)."""
+    auth = request.headers.get("Authorization")
+    if auth is not None:
+        scheme, _, token = auth.strip().partition(" ")
         if scheme.lower() == "bearer":
-            return token.strip() or None  # "Bearer" with an empty token: no key
-        return auth  # present but not a bearer token: still a key that must match
-    key = (request.headers.get("x-api-key") or "").strip()
-    return key or None
+            return token.strip()  # may be empty: a presented key that matches nothing
+        return auth.strip()  # present but not a bearer token: still a key that must match
+    key = request.headers.get("x-api-key")
+    return None if key is None else key.strip()
 
 
 @functools.lru_cache(maxsize=1024)

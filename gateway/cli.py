@@ -104,7 +104,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     failed = False
     for name in args.files:
         path = Path(name)
-        kind = args.kind or next((k for k in FILES if path.name.startswith(k)), None)
+        kind = args.kind or next((k for k in FILES if k in path.name.lower()), None)
         if kind is None:
             print(f"{path}: cannot tell the kind from the name; use --kind", file=sys.stderr)
             failed = True

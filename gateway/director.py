@@ -229,7 +229,7 @@ class Director:
         rec = request[RECORD]
         rec.inference, rec.priority = True, tenant.priority
         try:
-            req = parse_request(endpoint, parse_json(await request.read()))
+            req = parse_request(endpoint, parse_json(await self._read_body(request)))
             rec.model, rec.stream = req.model, req.stream
             self._check_model(tenant, req)
             self._apply_tenant_caps(tenant, req)
@@ -257,6 +257,21 @@ class Director:
         except asyncio.CancelledError:
             rec.outcome = Outcome.CLIENT_DISCONNECTED
             raise
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request body, which must arrive within ``timeouts.request_body_s``.
+
+        Raises:
+            Rejected: 408 ``request_timeout`` (a client that stalls mid-body would
+                otherwise hold a connection, and shutdown, indefinitely).
+        """
+        limit = self.cfg.gateway.timeouts.request_body_s
+        try:
+            async with asyncio.timeout(limit):
+                return await request.read()
+        except TimeoutError:
+            raise Rejected(Outcome.REQUEST_TIMEOUT,
+                           f"The request body did not arrive within {limit:g} s.") from None
 
     async def _reserve(self, tenant: TenantQuota, tokens: int, rec: RequestRecord, *,
                        concurrency: bool = True) -> Reservation:

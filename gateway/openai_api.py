@@ -75,8 +75,16 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise Rejected(Outcome.INVALID_REQUEST, f"Request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise Rejected(Outcome.INVALID_REQUEST, "Request body is nested too deeply.") from None
     if not isinstance(body, dict):
         raise Rejected(Outcome.INVALID_REQUEST, "Request body must be a JSON object.")
+    if b"\\ud" in raw.lower():  # \uD800-\uDFFF escapes: only pairs make characters
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise Rejected(Outcome.INVALID_REQUEST, "Request body contains an unpaired "
+                           "UTF-16 surrogate escape.") from None
     return body
 
 
@@ -84,7 +92,8 @@ def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return " ".join(t for p in content if isinstance(p, dict)
+                        and isinstance(t := p.get("text"), str))
     return ""
 
 

@@ -24,6 +24,7 @@ class Outcome(Enum):
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     BODY_TOO_LARGE = "body_too_large"
+    REQUEST_TIMEOUT = "request_timeout"
     RATE_LIMITED = "rate_limited"
     OVERLOADED = "overloaded"
     QUEUE_TIMEOUT = "queue_timeout"
@@ -62,6 +63,7 @@ _HTTP: dict[Outcome, tuple[int, str | None, str | None]] = {
     Outcome.NOT_FOUND: (404, "invalid_request_error", "not_found"),
     Outcome.METHOD_NOT_ALLOWED: (405, "invalid_request_error", "method_not_allowed"),
     Outcome.BODY_TOO_LARGE: (413, "invalid_request_error", "request_too_large"),
+    Outcome.REQUEST_TIMEOUT: (408, "invalid_request_error", "request_timeout"),
     Outcome.RATE_LIMITED: (429, "rate_limit_error", "rate_limit_exceeded"),
     Outcome.OVERLOADED: (503, "server_error", "overloaded"),
     Outcome.QUEUE_TIMEOUT: (503, "server_error", "queue_timeout"),

@@ -279,3 +279,22 @@ async def test_first_token_timeouts_count_as_failed_probes(engines):
         while not engine.routable and loop.time() < deadline:
             await asyncio.sleep(0.05)
         assert engine.routable
+
+
+async def test_a_stalled_request_body_times_out_with_408(engines):
+    (fake,) = await engines(1)
+    cfg = make_config([fake], gateway={"timeouts": {"request_body_s": 0.3}})
+    async with run_gateway(cfg) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 408")
+        writer.close()
+        # the error body is OpenAI-shaped
+        length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n")
+                          if ln.lower().startswith(b"content-length")))
+        body = json.loads(await asyncio.wait_for(reader.readexactly(length), 5))
+        assert body["error"]["code"] == "request_timeout"

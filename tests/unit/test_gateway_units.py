@@ -9,7 +9,7 @@ import pytest
 from config.loader import ConfigError, load_config, load_file
 from config.schema import TenantsConfig
 from gateway.auth import TenantDirectory, hash_key
-from gateway.openai_api import parse_request
+from gateway.openai_api import parse_json, parse_request
 from gateway.sse import EventFramer, StreamSummary
 from limits.outcome import Outcome, Rejected
 
@@ -125,3 +125,43 @@ def test_check_config_cli(tmp_path, capsys):
     assert main(["check-config", str(bad)]) == 1
     assert "kind external needs url" in capsys.readouterr().err
     assert main(["check-config", "config/gateway.yaml", "config/tenants.yaml"]) == 0
+
+
+@pytest.mark.parametrize("raw,fragment", [
+    (b'{"model": "m", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}", "nested too deeply"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', "surrogate"),
+])
+def test_hostile_json_is_a_400(raw, fragment):
+    with pytest.raises(Rejected) as e:
+        parse_json(raw)
+    assert e.value.outcome is Outcome.INVALID_REQUEST and fragment in e.value.message
+
+
+def test_paired_surrogate_escapes_are_characters():
+    assert parse_json(b'{"c": "\\ud83d\\ude80"}') == {"c": "\U0001F680"}
+
+
+def test_non_string_content_part_text_is_ignored_by_the_estimate():
+    r = parse_request("chat", {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": 5}, {"type": "text", "text": "hi"}]}]})
+    assert r.prompt_text == "hi"
+
+
+def test_keys_that_are_not_utf8_or_empty_match_no_tenant():
+    d = TenantDirectory(TenantsConfig.model_validate({"allow_anonymous": True}))
+    for key in ("\udcff\udcfe", ""):  # aiohttp surrogate-escapes non-UTF-8 header bytes
+        with pytest.raises(Rejected) as e:
+            d.resolve(key, "127.0.0.1")
+        assert e.value.outcome is Outcome.UNAUTHORIZED
+
+
+def test_whole_file_checks_name_the_problem_not_the_file(tmp_path):
+    p = tmp_path / "tenants.yaml"
+    p.write_text("tenants:\n  - {name: a}\n  - {name: a}\n")
+    with pytest.raises(ConfigError) as e:
+        load_file("tenants", p)
+    assert "duplicate tenant names: ['a']" in str(e.value) and "<top>" not in str(e.value)
+    e2 = tmp_path / "prod-Engines.yml"
+    e2.write_text("engines: []\n")
+    with pytest.raises(ConfigError, match="at least one engine"):
+        load_file("engines", e2)
