@@ -94,7 +94,10 @@ class Director:
         self.queues = queues
         self.detector = detector
         self.cache = cache
-        self._degradation: dict[str, DegradationConfig] = {}
+        #: each served model's degradation ladder (model_settings builds a pydantic
+        #: object per call, too costly per request)
+        self._degradation: dict[str, DegradationConfig] = {
+            m: cfg.engines.model_settings(m).degradation for m in queues}
         self.spans = spans or Spans(None)
         self.prompts = PromptBlocks(cfg.engines, pool)
         #: models whose every engine accepts vLLM's ``cache_salt``
@@ -194,10 +197,7 @@ class Director:
         Raises:
             Rejected: ``OVERLOADED`` (reason ``shed``) as described.
         """
-        dcfg = self._degradation.get(req.model)
-        if dcfg is None:  # built once per model: model_settings makes a pydantic object
-            dcfg = self._degradation[req.model] = \
-                self.cfg.engines.model_settings(req.model).degradation
+        dcfg = self._degradation[req.model]
         if tenant.priority not in dcfg.sheddable:
             return
         rungs = (dcfg.max_tokens_cap is not None) + (dcfg.fallback_model is not None)
