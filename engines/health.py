@@ -19,16 +19,20 @@ _ERRORS = (aiohttp.ClientError, TimeoutError, ValueError)
 
 
 async def probe_ready(
-    session: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float
+    session: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float,
+    health_path: str = "/health",
 ) -> bool:
-    """True if ``GET /health`` answers 200 and ``GET /v1/models`` lists ``model``
+    """True if ``GET <health_path>`` answers 200 and ``GET /v1/models`` lists ``model``
     (vLLM answers /health before the model is served on some versions), each within
-    ``timeout_s`` seconds. Never raises for network or protocol errors."""
+    ``timeout_s`` seconds. A 404 from the health path, or an empty ``health_path``,
+    leaves the decision to ``/v1/models`` (an OpenAI-compatible server need not have
+    ``/health``). Never raises for network or protocol errors."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
-        async with session.get(f"{base_url}/health", timeout=timeout) as resp:
-            if resp.status != 200:
-                return False
+        if health_path:
+            async with session.get(f"{base_url}{health_path}", timeout=timeout) as resp:
+                if resp.status not in (200, 404):
+                    return False
         async with session.get(f"{base_url}/v1/models", timeout=timeout) as resp:
             if resp.status != 200:
                 return False
@@ -39,18 +43,30 @@ async def probe_ready(
         return False
 
 
+#: The 1-token request of the inference probe, per endpoint.
+_PROBES = {
+    "completions": ("/v1/completions", {"prompt": "Hi"}),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+}
+
+
 async def probe_inference(
-    session: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float
+    session: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float,
+    endpoint: str = "completions",
 ) -> bool:
-    """True if ``POST /v1/completions`` with ``max_tokens: 1`` answers 200 with a
-    choice within ``timeout_s`` seconds: the model itself runs, not just the HTTP
-    server. Never raises for network or protocol errors."""
-    body = {"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+    """True if a 1-token request (``max_tokens: 1``) to ``endpoint`` (``completions``
+    or ``chat``) answers 200 with a choice within ``timeout_s`` seconds: the model
+    itself runs, not just the HTTP server. A 404 or 405 from completions (a chat-only
+    server) is followed by the same probe on chat completions. Never raises for
+    network or protocol errors."""
+    path, fields = _PROBES[endpoint]
+    body = {"model": model, "max_tokens": 1, "temperature": 0, **fields}
     try:
         async with session.post(
-            f"{base_url}/v1/completions", json=body,
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            f"{base_url}{path}", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
+            if resp.status in (404, 405) and endpoint == "completions":
+                return await probe_inference(session, base_url, model, timeout_s, "chat")
             if resp.status != 200:
                 return False
             data = await resp.json(content_type=None)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines.kinds import SIGNALS, EngineKind, present
 from engines.pool import Engine, EnginePool, MetricsSnapshot
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,10 @@ def parse_metrics(text: str, at: float) -> MetricsSnapshot:
         generation_tokens=total(GENERATION),
         block_size=block_size,
         num_blocks=num_blocks,
+        signals=present(kv_usage=usage is not None, running=RUNNING in series,
+                        waiting=WAITING in series,
+                        prefix_hits=PREFIX_HITS in series and PREFIX_QUERIES in series,
+                        block_size=block_size is not None, num_blocks=num_blocks is not None),
     )
 
 
@@ -129,6 +134,12 @@ class MetricsPoller:
     ``SupervisorConfig.metrics_stale_s``. The engine's ``base_url`` is read on every
     scrape, so it may change across restarts.
 
+    The endpoint and its parser are the engine's dialect's (``kind``, default vLLM's).
+    An endpoint that answers 404, or a page holding none of the known signals, marks
+    the engine unmetered (``Engine.metered``: admitted by in-flight count); a dialect
+    without an endpoint is unmetered from the start and never scraped. Whenever the
+    signals read differ from the dialect's full set, one log line names the missing ones.
+
     Args:
         pool: where snapshots are stored (:meth:`EnginePool.set_metrics`).
         engine: the engine to scrape.
@@ -137,6 +148,7 @@ class MetricsPoller:
             (``SupervisorConfig.metrics_interval_s``).
         timeout_s: limit of one scrape, s (``SupervisorConfig.probe_timeout_s``).
         clock: monotonic clock giving ``snapshot.at``, s.
+        kind: the engine's dialect (default :data:`engines.kinds.vllm.KIND`).
     """
 
     def __init__(
@@ -148,7 +160,12 @@ class MetricsPoller:
         interval_s: float,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        kind: EngineKind | None = None,
     ) -> None:
+        from engines.kinds import KINDS
+
+        self.kind = kind or KINDS["vllm"]
+        self._reported: frozenset[str] | None = None  # signals last logged
         self.pool = pool
         self.engine = engine
         self.session = session
@@ -156,24 +173,49 @@ class MetricsPoller:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.clock = clock
 
+    def _signals(self, found: frozenset[str]) -> None:
+        """Mark the engine (un)metered by the signals just read; log a change."""
+        self.engine.metered = bool(found)
+        if found == self._reported:
+            return
+        self._reported = found
+        missing = [s for s in SIGNALS if s not in found]
+        expected = bool(self.kind.signals - found)  # the dialect should have had them
+        if missing:
+            log.log(logging.WARNING if expected else logging.INFO,
+                    "engine %s (%s): no %s signal(s)%s", self.engine.id, self.kind.name,
+                    ", ".join(missing),
+                    "" if "kv_usage" in found else "; admitted by the gateway's in-flight count")
+        else:
+            log.info("engine %s (%s): all load signals read", self.engine.id, self.kind.name)
+
     async def scrape_once(self) -> MetricsSnapshot | None:
         """One scrape; stores and returns the snapshot, or None if it failed."""
-        url = f"{self.engine.base_url}/metrics"
+        if self.kind.metrics_path is None or self.kind.parse is None:
+            self._signals(frozenset())
+            return None
+        url = f"{self.engine.base_url}{self.kind.metrics_path}"
         try:
             async with self.session.get(url, timeout=self.timeout) as resp:
+                if resp.status == 404:
+                    self._signals(frozenset())
                 if resp.status != 200:
                     log.debug("metrics %s: HTTP %d", url, resp.status)
                     return None
                 text = await resp.text()
-            snapshot = parse_metrics(text, self.clock())
+            snapshot = self.kind.parse(text, self.clock(), self.engine.metrics)
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             log.debug("metrics %s: %r", url, e)
             return None
+        self._signals(snapshot.signals)
         self.pool.set_metrics(self.engine, snapshot)
         return snapshot
 
     async def run(self) -> None:
-        """Scrape until cancelled."""
+        """Scrape until cancelled (returns at once for a dialect without metrics)."""
+        if self.kind.metrics_path is None:
+            await self.scrape_once()
+            return
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()

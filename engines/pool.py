@@ -41,6 +41,9 @@ class MetricsSnapshot:
         generation_tokens: ``vllm:generation_tokens[_total]``, tokens (counter).
         block_size: tokens per KV block, from ``vllm:cache_config_info``.
         num_blocks: KV blocks (``num_gpu_blocks`` label of ``vllm:cache_config_info``).
+        signals: the load signals this scrape held (names in
+            :data:`engines.kinds.SIGNALS`); other dialects map their own names onto
+            the fields above (:mod:`engines.kinds`).
     """
 
     at: float
@@ -52,6 +55,7 @@ class MetricsSnapshot:
     generation_tokens: float = 0.0
     block_size: int | None = None
     num_blocks: int | None = None
+    signals: frozenset[str] = frozenset()
 
 
 @dataclass(eq=False)
@@ -69,6 +73,9 @@ class Engine:
             (prefix index) drop entries from older generations.
         promised_blocks: KV blocks reserved by in-flight requests (limits' KV budget).
         restarts: restarts so far.
+        metered: the engine has a load-metrics endpoint that answers (False for an
+            engine without one, or whose endpoint is missing): admission then counts
+            its in-flight requests instead of waiting for metrics.
         upstream_failures: requests in a row that timed out before their first token
             or could not connect (the gateway resets it on a success); at the
             supervisor's ``failure_threshold`` the engine's probes count as failed.
@@ -83,6 +90,7 @@ class Engine:
     generation: int = 0
     promised_blocks: int = 0
     restarts: int = 0
+    metered: bool = True
     upstream_failures: int = 0
     labels: dict[str, str] = field(default_factory=dict)
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from config.schema import EngineSpec
+from engines.kinds import llamacpp
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +40,17 @@ def vllm_command(spec: EngineSpec, host: str, port: int, model_path: str | None)
 
 
 def sim_command(spec: EngineSpec, host: str, port: int, model_path: str | None) -> list[str]:
-    """``python -m loadtest.sim_engine``, the simulated engine of ``loadtest/``."""
+    """``python -m loadtest.sim_engine``, the simulated engine of ``loadtest/``, speaking
+    the spec's dialect."""
     return [
-        sys.executable, "-m", "loadtest.sim_engine",
+        sys.executable, "-m", "loadtest.sim_engine", "--dialect", spec.engine_dialect,
         "--host", host, "--port", str(port), "--model", spec.model, *spec.args,
     ]
 
 
 #: Command builders of the launched kinds (``external`` is never launched).
-DEFAULT_COMMANDS: Mapping[str, CommandBuilder] = {"vllm": vllm_command, "sim": sim_command}
+DEFAULT_COMMANDS: Mapping[str, CommandBuilder] = {
+    "vllm": vllm_command, "sim": sim_command, "llamacpp": llamacpp.command}
 
 
 def _port_free(host: str, port: int) -> bool:

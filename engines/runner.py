@@ -41,6 +41,8 @@ import aiohttp
 
 from config.schema import EngineSpec, SupervisorConfig
 from engines.health import backoff_delay, made_progress, probe_inference, probe_ready
+from engines.kinds import KINDS
+from engines.kinds.llamacpp import resolve_gguf
 from engines.pool import Engine, EnginePool, EngineState
 from engines.prepare import resolve_model_path
 from engines.process import CommandBuilder, EngineProcess
@@ -103,10 +105,9 @@ class EngineRunner:
             await self._watch()
             return
         try:
+            resolve = resolve_gguf if self.spec.kind == "llamacpp" else resolve_model_path
             model_path = (
-                await asyncio.to_thread(
-                    resolve_model_path, self.spec.model_path, self.model_cache_dir
-                )
+                await asyncio.to_thread(resolve, self.spec.model_path, self.model_cache_dir)
                 if self.spec.model_path else None
             )
         except (ImportError, OSError, ValueError) as e:
@@ -224,7 +225,9 @@ class EngineRunner:
         """``/health`` (+ ``/v1/models``), then, if ``inference``, a 1-token completion
         as well: both must pass."""
         args = (self.session, self.engine.base_url, self.engine.model, self.cfg.probe_timeout_s)
-        return await probe_ready(*args) and (not inference or await probe_inference(*args))
+        kind = KINDS[self.spec.engine_dialect]
+        return await probe_ready(*args, kind.health_path) and (
+            not inference or await probe_inference(*args, kind.probe_endpoint))
 
     async def stop_process(self, grace_s: float) -> None:
         """SIGTERM the current process group, SIGKILL after ``grace_s`` seconds.

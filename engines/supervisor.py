@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 
 from config.schema import EnginesConfig, EngineSpec
+from engines.kinds import KINDS
 from engines.metrics import MetricsPoller
 from engines.pool import Engine, EnginePool, EngineState
 from engines.process import DEFAULT_COMMANDS, CommandBuilder, choose_port
@@ -128,7 +129,8 @@ class Supervisor:
                     taken.add(port)
                     base_url = f"http://{spec.host}:{port}"
                 engine = Engine(id=engine_id, model=spec.model, base_url=base_url,
-                                labels={"spec": spec.name, "kind": spec.kind})
+                                labels={"spec": spec.name, "kind": spec.kind,
+                                        "dialect": spec.engine_dialect})
                 self.pool.add(engine)
                 self.runners.append(EngineRunner(
                     engine, spec, port, sup, self.pool, self.session, command=command,
@@ -139,6 +141,7 @@ class Supervisor:
             poller = MetricsPoller(
                 self.pool, runner.engine, self.session, interval_s=sup.metrics_interval_s,
                 timeout_s=sup.probe_timeout_s, clock=self.clock,
+                kind=KINDS[runner.spec.engine_dialect],
             )
             name = runner.engine.id
             self._runner_tasks.append(asyncio.create_task(runner.run(), name=f"run:{name}"))

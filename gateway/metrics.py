@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engines.kinds import SIGNALS
 from engines.pool import EnginePool, EngineState
 from gateway.record import RequestRecord
 from limits.outcome import Outcome
@@ -155,8 +156,14 @@ class FleetCollector(Collector):
         prefix = GaugeMetricFamily("sluice_engine_prefix_match_ratio",
                                    "Mean prefix-affinity score of routed requests, 0-1.",
                                    labels=["engine", "model"])
+        signals = GaugeMetricFamily(
+            "sluice_engine_signals", "1 if the engine's latest load metrics held this signal "
+            "(engines.kinds.SIGNALS), 0 if missing.", labels=["engine", "signal"])
         for e in self.pool.engines:
             labels = [e.id, e.model]
+            read = e.metrics.signals if e.metrics is not None and e.metered else frozenset()
+            for signal in SIGNALS:
+                signals.add_metric([e.id, signal], 1.0 if signal in read else 0.0)
             up.add_metric([*labels, e.state.value], 1.0 if e.state is EngineState.READY else 0.0)
             if e.kv_cache_usage is not None:
                 kv.add_metric(labels, e.kv_cache_usage)
@@ -179,5 +186,5 @@ class FleetCollector(Collector):
         failovers = CounterMetricFamily("sluice_limits_store_failovers",
                                         "Times the shared counter store became unreachable.")
         failovers.add_metric([], self.failovers())
-        yield from (up, kv, running, waiting, in_flight, restarts, prefix, depth, queued,
-                    failovers)
+        yield from (up, kv, running, waiting, in_flight, restarts, prefix, signals, depth,
+                    queued, failovers)

@@ -100,6 +100,8 @@ class EngineLoad(Protocol):
         promised_blocks: KV blocks already promised to in-flight requests.
         in_flight: requests this gateway process has sent to the engine and not finished.
         metrics_at: clock time of the metrics scrape, s; None before the first one.
+        metered: the engine has a load-metrics endpoint that answers; False for one
+            without (then freshness is not required: the in-flight count decides).
     """
 
     @property
@@ -122,3 +124,6 @@ class EngineLoad(Protocol):
 
     @property
     def metrics_at(self) -> float | None: ...
+
+    @property
+    def metered(self) -> bool: ...

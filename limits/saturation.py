@@ -5,9 +5,14 @@ An engine admits a request of ``tokens`` (prompt estimate + max output) for a
 priority when all hold:
 
 1. its metrics are fresh: scraped at most ``stale_s`` ago (missing or stale metrics
-   count as saturated, so a hung scraper never hides an overloaded engine);
-2. it reports KV-cache usage, and the usage is under the watermark: ``watermark`` for
-   interactive and standard, ``batch_watermark`` for batch;
+   count as saturated, so a hung scraper never hides an overloaded engine) — unless
+   the engine is unmetered (no load-metrics endpoint: ``EngineLoad.metered`` false);
+2. its KV-cache usage is under the watermark: ``watermark`` for interactive and
+   standard, ``batch_watermark`` for batch. An engine that reports no usage (llama.cpp,
+   TGI, an unmetered server) is judged by the gateway's own accounting instead: fewer
+   than ``unmetered_max_in_flight`` of this gateway's requests in flight on it (the
+   concurrency limit of a closed-loop admission controller, sized like llama.cpp's
+   ``--parallel`` slots), so a missing metric never starves it;
 3. at most ``max_waiting`` requests wait inside the engine (a growing engine queue
    means its scheduler has no room; the gateway's queue orders them better);
 4. when ``max_in_flight`` is set, fewer than that many of this gateway's requests
@@ -58,17 +63,21 @@ class SaturationDetector:
         max_in_flight: most requests in flight per engine, or None (default) for no cap.
         interactive_reserve: slots of ``max_in_flight`` that only interactive requests
             may take (default 0).
+        unmetered_max_in_flight: most requests in flight on an engine that reports no
+            KV-cache usage (default 4).
     """
 
     def __init__(self, watermark: float = 0.9, batch_watermark: float = 0.8,
                  max_waiting: int = 4, stale_s: float = 5.0,
-                 max_in_flight: int | None = None, interactive_reserve: int = 0) -> None:
+                 max_in_flight: int | None = None, interactive_reserve: int = 0,
+                 unmetered_max_in_flight: int = 4) -> None:
         self.watermark = watermark
         self.batch_watermark = batch_watermark
         self.max_waiting = max_waiting
         self.stale_s = stale_s
         self.max_in_flight = max_in_flight
         self.interactive_reserve = interactive_reserve
+        self.unmetered_max_in_flight = unmetered_max_in_flight
 
     @classmethod
     def from_config(cls, engines: EnginesConfig) -> SaturationDetector:
@@ -76,16 +85,23 @@ class SaturationDetector:
         ``supervisor.metrics_stale_s``."""
         s = engines.saturation
         return cls(s.kv_watermark, s.batch_kv_watermark, s.max_waiting,
-                   engines.supervisor.metrics_stale_s, s.max_in_flight, s.interactive_reserve)
+                   engines.supervisor.metrics_stale_s, s.max_in_flight, s.interactive_reserve,
+                   s.unmetered_max_in_flight)
 
     def admits(self, load: EngineLoad, priority: Priority, tokens: int, now: float) -> bool:
         """Whether ``load``'s engine may take a ``priority`` request of ``tokens``
         tokens (prompt + max output) at clock time ``now`` (s, the metrics' clock)."""
         usage = load.kv_cache_usage
-        if load.metrics_at is None or now - load.metrics_at > self.stale_s or usage is None:
+        fresh = load.metrics_at is not None and now - load.metrics_at <= self.stale_s
+        if not fresh and load.metered:
             return False
-        if load.num_waiting > self.max_waiting:
+        if fresh and load.num_waiting > self.max_waiting:
             return False
+        if usage is None or not fresh:  # no usage reported: our own in-flight count
+            cap = self.unmetered_max_in_flight
+            if self.max_in_flight is not None:
+                cap = min(cap, self.max_in_flight)
+            return load.in_flight < cap
         if self.max_in_flight is not None:
             cap = self.max_in_flight - (0 if priority == "interactive" else self.interactive_reserve)
             if load.in_flight >= cap:

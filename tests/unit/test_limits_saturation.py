@@ -17,6 +17,7 @@ class Load:
     promised_blocks: int = 0
     in_flight: int = 0
     metrics_at: float | None = 100.0
+    metered: bool = True
 
 
 NOW = 101.0
@@ -31,7 +32,23 @@ def test_missing_or_stale_metrics_count_as_saturated() -> None:
     assert not detector.admits(Load(metrics_at=None), "interactive", 1, NOW)
     assert not detector.admits(Load(metrics_at=NOW - 5.01), "interactive", 1, NOW)
     assert detector.admits(Load(metrics_at=NOW - 5), "interactive", 1, NOW)
-    assert not detector.admits(Load(kv_cache_usage=None), "interactive", 1, NOW)
+
+
+
+def test_engine_without_kv_usage_is_admitted_by_in_flight_count() -> None:
+    """llama.cpp and TGI report no KV usage: the gateway's own count decides (default
+    cap 4), their waiting queue still counts; an unmetered engine (no /metrics) needs
+    no fresh metrics at all, a metered one with stale metrics stays saturated."""
+    no_kv = Load(kv_cache_usage=None, block_size=None, num_blocks=None)
+    assert detector.admits(replace(no_kv, in_flight=3), "standard", 10_000, NOW)
+    assert not detector.admits(replace(no_kv, in_flight=4), "interactive", 1, NOW)
+    assert not detector.admits(replace(no_kv, num_waiting=5), "interactive", 1, NOW)
+    unmetered = replace(no_kv, metrics_at=None, metered=False)
+    assert detector.admits(replace(unmetered, in_flight=3), "batch", 1, NOW)
+    assert not detector.admits(replace(unmetered, in_flight=4), "interactive", 1, NOW)
+    assert not detector.admits(replace(no_kv, metrics_at=None), "interactive", 1, NOW)
+    capped = SaturationDetector(max_in_flight=2, unmetered_max_in_flight=8)
+    assert not capped.admits(replace(unmetered, in_flight=2), "interactive", 1, NOW)
 
 
 def test_kv_watermark() -> None:
