@@ -31,12 +31,14 @@ class RunningGateway:
     url: str
 
     def engine_processes(self) -> list[psutil.Process]:
-        """The engine servers the gateway launched (vLLM API servers, simulators)."""
+        """The engine servers the gateway launched (vLLM API servers, llama-servers,
+        simulators)."""
         out = []
         for child in psutil.Process(self.proc.pid).children(recursive=True):
             cmd = child.cmdline()
-            if "--port" in cmd and any("vllm.entrypoints" in c or "loadtest.sim_engine" in c
-                                       for c in cmd):
+            if "--port" in cmd and (
+                    Path(cmd[0]).name == "llama-server"
+                    or any("vllm.entrypoints" in c or "loadtest.sim_engine" in c for c in cmd)):
                 out.append(child)
         return out
 

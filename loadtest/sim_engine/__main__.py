@@ -1,5 +1,5 @@
 """``python -m loadtest.sim_engine --port P --profile NAME [options]``: serve one
-simulated vLLM engine until SIGINT/SIGTERM."""
+simulated engine (vLLM's dialect, or ``--dialect``) until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import contextlib
 import signal
 import sys
 
+from loadtest.sim_engine.dialects import DIALECTS
 from loadtest.sim_engine.engine import SimEngine
 from loadtest.sim_engine.profiles import PROFILES, get_profile
 from loadtest.sim_engine.server import serve
@@ -20,6 +21,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model", default="sim-model", help="served model name")
+    p.add_argument("--dialect", default="vllm", choices=sorted(DIALECTS),
+                   help="which engine's paths, metric names and quirks to speak "
+                   "(loadtest/sim_engine/dialects.py; default vllm)")
     p.add_argument("--profile", default="cpu-gemma3-270m", choices=sorted(PROFILES))
     p.add_argument("--speed", type=float, default=1.0,
                    help="simulated seconds per wall second (default 1)")
@@ -37,12 +41,12 @@ async def _serve_forever(args: argparse.Namespace) -> None:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len)
     engine = SimEngine(profile, args.model, speed=args.speed)
-    runner = await serve(engine, args.host, args.port)
+    runner = await serve(engine, args.host, args.port, args.dialect)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"sim engine {args.model} ({profile.name}, speed {args.speed}) on "
+    print(f"sim engine {args.model} ({profile.name}, {args.dialect}, speed {args.speed}) on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     try:
         await stop.wait()

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from engines.blocks import chain_block_hashes, fallback_tokenize
+from loadtest.sim_engine.dialects import DIALECTS, Dialect
 from loadtest.sim_engine.engine import SimEngine
 from loadtest.sim_engine.protocol import (
     SSE_DONE,
@@ -33,6 +34,7 @@ from loadtest.sim_engine.protocol import (
 from loadtest.sim_engine.scheduler import SimRequest, Status
 
 ENGINE = web.AppKey("sim_engine", SimEngine)
+DIALECT = web.AppKey("sim_dialect", Dialect)
 
 #: Prompts longer than this (characters or token ids) are tokenised and hashed in
 #: a worker thread so the event loop keeps serving streams meanwhile (~8 MB/s).
@@ -41,23 +43,30 @@ INLINE_PROMPT_LIMIT = 16_384
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
-def create_app(engine: SimEngine) -> web.Application:
-    """The aiohttp app serving ``engine``; its step loop runs in ``cleanup_ctx``."""
+def create_app(engine: SimEngine, dialect: str = "vllm") -> web.Application:
+    """The aiohttp app serving ``engine`` in ``dialect``
+    (:data:`~loadtest.sim_engine.dialects.DIALECTS`: which routes exist, the metrics
+    page, the error form); its step loop runs in ``cleanup_ctx``."""
+    d = DIALECTS[dialect]
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
+    app[DIALECT] = d
     app.router.add_post("/v1/chat/completions", _chat)
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_get("/health", _health)
+    if d.completions:
+        app.router.add_post("/v1/completions", _completions)
+    if d.health:
+        app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
-    app.router.add_get("/metrics", _metrics)
+    if d.metrics_path:
+        app.router.add_get(d.metrics_path, _metrics)
     app.cleanup_ctx.append(_engine_loop)
     return app
 
 
-async def serve(engine: SimEngine, host: str, port: int) -> web.AppRunner:
-    """Start serving ``engine`` on ``host:port``; returns the runner (``cleanup()``
-    to stop)."""
-    runner = web.AppRunner(create_app(engine), handler_cancellation=True,
+async def serve(engine: SimEngine, host: str, port: int, dialect: str = "vllm") -> web.AppRunner:
+    """Start serving ``engine`` on ``host:port`` in ``dialect``; returns the runner
+    (``cleanup()`` to stop)."""
+    runner = web.AppRunner(create_app(engine, dialect), handler_cancellation=True,
                            access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -72,9 +81,10 @@ async def _engine_loop(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
-def _error(exc: RequestError) -> web.Response:
-    return web.Response(body=dumps(exc.body()), status=exc.status,
-                        content_type="application/json")
+def _error(exc: RequestError, dialect: Dialect) -> web.Response:
+    body = (dialect.error_body(exc.message, exc.err_type, exc.status) if dialect.error_body
+            else exc.body())
+    return web.Response(body=dumps(body), status=exc.status, content_type="application/json")
 
 
 def _tokens_and_hashes(parsed: ParsedRequest, block_size: int) -> tuple[int, list[int]]:
@@ -107,7 +117,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             n_prompt, hashes = _tokens_and_hashes(parsed, engine.profile.block_size)
         max_tokens = check_length(n_prompt, parsed.max_tokens, engine.profile.max_model_len)
     except RequestError as exc:
-        return _error(exc)
+        return _error(exc, request.app[DIALECT])
     shape = ResponseShape(chat, engine.model_name)
     wake = asyncio.Event()
     req = SimRequest(shape.id, n_prompt, hashes, max_tokens, notify=wake.set)
@@ -160,11 +170,14 @@ async def _models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     name = engine.model_name
     return web.Response(body=dumps({"object": "list", "data": [{
-        "id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+        "id": name, "object": "model", "created": int(time.time()),
+        "owned_by": request.app[DIALECT].owned_by,
         "root": name, "parent": None, "max_model_len": engine.profile.max_model_len,
     }]}), content_type="application/json")
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[ENGINE].metrics.render(),
-                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    render = request.app[DIALECT].render
+    assert render is not None  # the route exists only with a page
+    body, content_type = render(request.app[ENGINE])
+    return web.Response(body=body, headers={"Content-Type": content_type})
