@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from config.loader import load_config
 from engines.blocks import chain_block_hashes
 from engines.kinds import KINDS, SIGNALS
 from loadtest.sim_engine.dialects import DIALECTS
@@ -23,6 +24,7 @@ from loadtest.sim_engine.profiles import CPU_GEMMA3_270M
 from loadtest.sim_engine.scheduler import SimRequest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+CONFIG = Path(__file__).resolve().parents[2] / "config"
 
 
 def busy_engine() -> SimEngine:
@@ -124,6 +126,22 @@ def test_page_without_known_signals_reports_none() -> None:
     assert KINDS["sglang"].parse("# nothing here\n", 0.0, None).signals == frozenset()
     assert KINDS["vllm"].parse("other_metric 1\n", 0.0, None).signals == frozenset()
     assert KINDS["openai"].metrics_path is None
+
+
+@pytest.mark.parametrize("name", ["engines-llamacpp-fallback.yaml",
+                                  "engines-mixed-external.yaml"])
+def test_example_configs_load(name: str) -> None:
+    """The shipped examples load with the shipped gateway and tenants files (fallback
+    model served, dialects known)."""
+    cfg = load_config(engines=CONFIG / "examples" / name)
+    dialects = {s.name: s.engine_dialect for s in cfg.engines.engines}
+    assert set(dialects.values()) <= set(KINDS)
+    if name == "engines-llamacpp-fallback.yaml":
+        assert dialects == {"gemma-vllm": "vllm", "gemma-llamacpp": "llamacpp"}
+        fallback = cfg.engines.model_settings("gemma3-270m").degradation.fallback_model
+        assert fallback == "gemma3-270m-cpu"
+    else:
+        assert dialects["bare-0"] == "openai" and dialects["vllm-0"] == "vllm"
 
 
 def _record() -> None:

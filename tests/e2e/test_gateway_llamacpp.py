@@ -1,0 +1,122 @@
+"""End to end: ``sluice serve`` launches llama.cpp's ``llama-server`` (built by ``make
+llama-server``) on the packaged Gemma 3 270M GGUF; the ``openai`` SDK talks to the
+gateway, streams with usage, and the engine survives a SIGKILL (the supervisor
+restarts it). The model is a base model: structure, usage and behaviour only.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+import yaml
+
+from engines.kinds import KINDS
+from engines.kinds.llamacpp import server_binary
+from loadtest.launch import RunningGateway, gateway
+
+pytestmark = pytest.mark.slow
+MODEL = "gemma3-270m"
+CONFIG = Path(__file__).resolve().parents[2] / "config"
+
+
+def write_config(directory: Path) -> Path:
+    """One llama.cpp engine; the shipped tenants; caches off (no embedding model)."""
+    shutil.copy(CONFIG / "tenants.yaml", directory / "tenants.yaml")
+    (directory / "gateway.yaml").write_text(yaml.safe_dump(
+        {"cache": {"enabled": False}, "observability": {"tracing": False}}))
+    (directory / "engines.yaml").write_text(yaml.safe_dump({
+        "engines": [{"name": "llama", "model": MODEL, "kind": "llamacpp",
+                     "model_path": "packaged:gemma3-270m"}],
+        "supervisor": {"probe_interval_s": 0.5, "restart_backoff_s": 0.5}}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[RunningGateway]:
+    if not server_binary().is_file():
+        pytest.fail(f"{server_binary()} missing: run `make llama-server` first")
+    directory = write_config(tmp_path_factory.mktemp("llamacpp"))
+    with gateway(directory, log_path=directory / "gateway.log", ready_timeout_s=120) as gw:
+        children = psutil.Process(gw.proc.pid).children(recursive=True)
+        yield gw
+    _gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"orphan engine processes after SIGTERM: {alive}"
+
+
+@pytest.fixture
+def client(served: RunningGateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="sk-sluice-local", max_retries=0)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completions(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5,
+                                  temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 5
+
+
+def test_chat_stream_with_usage(client):
+    stream = client.chat.completions.create(
+        model=MODEL, max_tokens=8, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Count to five"}])
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    assert chunks[-1].usage.prompt_tokens > 0
+    assert 0 < chunks[-1].usage.completion_tokens <= 8
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert isinstance(text, str)
+
+
+def test_stream_without_usage_gets_none(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, max_tokens=4, stream=True,
+        messages=[{"role": "user", "content": "Hi"}]))
+    assert all(c.usage is None for c in chunks)
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
+def test_real_metrics_page_parses_and_gateway_shows_signals(served, client):
+    """The live llama.cpp page through the llamacpp parser; the gateway's
+    ``sluice_engine_signals`` shows running/waiting/prefix hits read and no KV usage."""
+    (engine,) = served.engine_urls()
+    client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4)
+    page = httpx.get(engine + "/metrics", timeout=5).text
+    snap = KINDS["llamacpp"].parse(page, 0.0, None)
+    assert snap.signals == {"running", "waiting", "prefix_hits"}
+    assert snap.generation_tokens > 0 and snap.prefix_cache_queries > 0
+    text = httpx.get(served.url + "/metrics", timeout=5).text
+    shown = dict(re.findall(r'^sluice_engine_signals\{engine="llama",signal="(\w+)"\} (\S+)$',
+                            text, re.M))
+    assert shown == {"kv_usage": "0.0", "running": "1.0", "waiting": "1.0",
+                     "prefix_hits": "1.0", "block_size": "0.0", "num_blocks": "0.0"}
+
+
+def test_engine_killed_is_restarted(served, client):
+    (victim,) = served.engine_processes()
+    victim.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if httpx.get(served.url + "/ready", timeout=2).status_code == 503:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the killed engine was not marked unhealthy")
+    served.wait_ready(120)
+    assert served.engine_processes()[0].pid != victim.pid
+    stream = client.chat.completions.create(
+        model=MODEL, max_tokens=4, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Hi again"}])
+    assert list(stream)[-1].usage.completion_tokens > 0
