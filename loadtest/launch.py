@@ -4,6 +4,7 @@ it is ready, and find the engines it launched."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,9 +14,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
+import yaml
+
+#: The shipped configuration folder.
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"
 
 
 def free_port() -> int:
@@ -68,6 +74,23 @@ class RunningGateway:
             if time.monotonic() > deadline:
                 raise TimeoutError("gateway did not become ready")
             time.sleep(0.5)
+
+
+def llamacpp_config(directory: Path, gateway: dict[str, Any] | None = None) -> Path:
+    """Write into ``directory`` the shipped configuration with its one engine replaced by
+    llama.cpp's ``llama-server`` (``kind: llamacpp``, engine ``llama``, model
+    ``gemma3-270m`` on the packaged GGUF, the launch defaults of
+    :func:`engines.kinds.llamacpp.command`); ``gateway`` keys replace the shipped
+    ``gateway.yaml``'s top-level keys. Returns ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copy(CONFIG_DIR / "tenants.yaml", directory / "tenants.yaml")
+    gw = yaml.safe_load((CONFIG_DIR / "gateway.yaml").read_text())
+    (directory / "gateway.yaml").write_text(yaml.safe_dump({**gw, **(gateway or {})}))
+    engines = yaml.safe_load((CONFIG_DIR / "engines.yaml").read_text())
+    engines["engines"] = [{"name": "llama", "model": "gemma3-270m", "kind": "llamacpp",
+                           "model_path": "packaged:gemma3-270m"}]
+    (directory / "engines.yaml").write_text(yaml.safe_dump(engines))
+    return directory
 
 
 @contextmanager

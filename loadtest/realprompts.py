@@ -9,10 +9,13 @@ so that drift in the machine's speed hits both alike. Prompts are cut to
 2,048-token context.
 
 Without ``--gateway-url``/``--engine-url`` it starts ``sluice serve`` with the shipped
-default config (one CPU vLLM engine on the packaged Gemma 3 270M) and measures that.
+default config (one CPU vLLM engine on the packaged Gemma 3 270M) and measures that;
+``--engine-kind llamacpp`` replaces that engine by llama.cpp's ``llama-server`` on the
+packaged GGUF (``loadtest.launch.llamacpp_config``; ``make llama-server`` first).
 
-JSON: ``{"direct"|"gateway": {"c1"|"c8": {ttft_p50_ms, ttft_p99_ms, tpot_p50_ms,
-output_tok_s, errors}}, "throughput_ratio_c8": gateway/direct, "ttft_p50_added_ms_c1"}``.
+JSON: ``{"engine_kind", "direct"|"gateway": {"c1"|"c8": {ttft_p50_ms, ttft_p99_ms,
+tpot_p50_ms, output_tok_s, errors}}, "throughput_ratio_c8": gateway/direct,
+"ttft_p50_added_ms_c1"}``.
 """
 
 from __future__ import annotations
@@ -100,17 +103,25 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--gateway-url")
     ap.add_argument("--engine-url")
+    ap.add_argument("--engine-kind", choices=["vllm", "llamacpp"], default="vllm",
+                    help="engine sluice serve launches (default vllm, the shipped config)")
     args = ap.parse_args(argv)
     prompts = [p[: args.max_prompt_chars] for p in read_prompts("v0.1")[: args.limit]]
     if args.gateway_url and args.engine_url:
         result = asyncio.run(measure(args.engine_url, args.gateway_url, args.model, prompts,
                                      args.max_tokens))
     else:
-        from loadtest.launch import gateway
+        import tempfile
 
-        with gateway() as gw:
-            (engine,) = gw.engine_urls()
-            result = asyncio.run(measure(engine, gw.url, args.model, prompts, args.max_tokens))
+        from loadtest.launch import gateway, llamacpp_config
+
+        with tempfile.TemporaryDirectory(prefix="sluice-realprompts-") as tmp:
+            config = llamacpp_config(Path(tmp)) if args.engine_kind == "llamacpp" else None
+            with gateway(config) as gw:
+                (engine,) = gw.engine_urls()
+                result = asyncio.run(measure(engine, gw.url, args.model, prompts,
+                                             args.max_tokens))
+    result = {"engine_kind": args.engine_kind, **result}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -7,44 +7,30 @@ restarts it). The model is a base model: structure, usage and behaviour only.
 from __future__ import annotations
 
 import re
-import shutil
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import psutil
 import pytest
-import yaml
 
 from engines.kinds import KINDS
 from engines.kinds.llamacpp import server_binary
-from loadtest.launch import RunningGateway, gateway
+from loadtest.launch import RunningGateway, gateway, llamacpp_config
 
 pytestmark = pytest.mark.slow
 MODEL = "gemma3-270m"
-CONFIG = Path(__file__).resolve().parents[2] / "config"
-
-
-def write_config(directory: Path) -> Path:
-    """One llama.cpp engine; the shipped tenants; caches off (no embedding model)."""
-    shutil.copy(CONFIG / "tenants.yaml", directory / "tenants.yaml")
-    (directory / "gateway.yaml").write_text(yaml.safe_dump(
-        {"cache": {"enabled": False}, "observability": {"tracing": False}}))
-    (directory / "engines.yaml").write_text(yaml.safe_dump({
-        "engines": [{"name": "llama", "model": MODEL, "kind": "llamacpp",
-                     "model_path": "packaged:gemma3-270m"}],
-        "supervisor": {"probe_interval_s": 0.5, "restart_backoff_s": 0.5}}))
-    return directory
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[RunningGateway]:
     if not server_binary().is_file():
         pytest.fail(f"{server_binary()} missing: run `make llama-server` first")
-    directory = write_config(tmp_path_factory.mktemp("llamacpp"))
+    # the shipped configuration with llama.cpp as its engine; caches off (no embedding model)
+    directory = llamacpp_config(tmp_path_factory.mktemp("llamacpp"),
+                                {"cache": {"enabled": False}})
     with gateway(directory, log_path=directory / "gateway.log", ready_timeout_s=120) as gw:
         children = psutil.Process(gw.proc.pid).children(recursive=True)
         yield gw
