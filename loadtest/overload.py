@@ -25,6 +25,10 @@ second of the send window; ``slo_attainment`` per priority is good / offered
 ``status:code``; ``peak_rss_mb`` is the gateway process's peak RSS (None for the
 direct baseline, which has no gateway; ``engines_peak_rss_mb`` is the engines').
 
+``--dialects vllm vllm sglang sglang`` makes the engines speak those dialects (cycled;
+the gateway reads each in its own, ``engines.kinds``): the same comparison on a mixed
+fleet.
+
 Output: ``{"1x"|"2x"|"3x": {"gateway"|"direct": {...}}, "capacity": {...},
 "config": {...}}`` and per-request JSON lines under ``--out-dir``.
 """
@@ -49,6 +53,7 @@ import aiohttp
 import psutil
 import yaml
 
+from engines.kinds import KINDS
 from gateway.auth import hash_key
 from loadtest.client import send_measured, wait_healthy
 from loadtest.launch import free_port, gateway
@@ -90,15 +95,19 @@ class Engines:
     to them as ``external`` engines, so the same processes serve both targets)."""
 
     def __init__(self, n: int, profile: str, speed: float, log_dir: Path,
-                 extra: list[str]) -> None:
+                 extra: list[str], dialects: list[str] | None = None) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.urls: list[str] = []
+        #: each engine's dialect (``--dialects`` cycled; vLLM's by default)
+        self.dialects = [(dialects or ["vllm"])[i % len(dialects or ["vllm"])]
+                         for i in range(n)]
         for i in range(n):
             port = free_port()
             log = (log_dir / f"engine-{i}.log").open("wb")
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "loadtest.sim_engine", "--port", str(port),
-                 "--model", MODEL, "--profile", profile, "--speed", str(speed), *extra],
+                 "--model", MODEL, "--profile", profile, "--speed", str(speed),
+                 "--dialect", self.dialects[i], *extra],
                 stdout=log, stderr=subprocess.STDOUT))
             self.urls.append(f"http://127.0.0.1:{port}")
 
@@ -111,12 +120,11 @@ class Engines:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             busy = 0.0
-            for url in self.urls:
-                async with session.get(url + "/metrics") as r:
-                    for line in (await r.text()).splitlines():
-                        if line.startswith(("vllm:num_requests_running{",
-                                            "vllm:num_requests_waiting{")):
-                            busy += float(line.rsplit(" ", 1)[1])
+            for url, dialect in zip(self.urls, self.dialects, strict=True):
+                kind = KINDS[dialect]
+                async with session.get(url + str(kind.metrics_path)) as r:
+                    snap = kind.parse(await r.text(), 0.0, None)  # type: ignore[misc]
+                busy += snap.num_running + snap.num_waiting
             if busy == 0:
                 return
             await asyncio.sleep(0.5)
@@ -142,7 +150,7 @@ class Engines:
 # ----------------------------------------------------------------------------- config
 
 
-def write_gateway_config(directory: Path, engine_urls: list[str], max_in_flight: int,
+def write_gateway_config(directory: Path, engines: Engines, max_in_flight: int,
                          args: argparse.Namespace) -> Path:
     """gateway.yaml / engines.yaml / tenants.yaml for the run (cache off: the
     workload's prompts are unique, and the comparison is about admission)."""
@@ -153,8 +161,9 @@ def write_gateway_config(directory: Path, engine_urls: list[str], max_in_flight:
         "queue": {"max_requests": args.queue_max},
     }))
     (directory / "engines.yaml").write_text(yaml.safe_dump({
-        "engines": [{"name": f"sim-{i}", "model": MODEL, "kind": "external", "url": u}
-                    for i, u in enumerate(engine_urls)],
+        "engines": [{"name": f"sim-{i}", "model": MODEL, "kind": "external", "url": u,
+                     "dialect": d}
+                    for i, (u, d) in enumerate(zip(engines.urls, engines.dialects, strict=True))],
         "supervisor": {"metrics_interval_s": 0.25, "probe_interval_s": 1.0,
                        "inference_probe_idle_s": 3600},
         "saturation": {"max_in_flight": max_in_flight,
@@ -294,7 +303,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     extra = ["--max-model-len", "4096"]
-    engines = Engines(args.engines, args.profile, args.speed, out_dir, extra)
+    engines = Engines(args.engines, args.profile, args.speed, out_dir, extra, args.dialects)
     report: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()}}
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
@@ -318,7 +327,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             max_in_flight = args.max_in_flight or best["per_engine"]
             report["capacity"] = {"requests_per_s": capacity, "per_engine": best["per_engine"],
                                   "probes": probes, "max_in_flight": max_in_flight}
-            cfg_dir = write_gateway_config(out_dir / "config", engines.urls, max_in_flight, args)
+            cfg_dir = write_gateway_config(out_dir / "config", engines, max_in_flight, args)
             with gateway(cfg_dir, log_path=out_dir / "gateway.log", ready_timeout_s=60) as gw:
                 gproc = psutil.Process(gw.proc.pid)
                 for k in args.levels:
@@ -371,6 +380,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", required=True, help="report path")
     p.add_argument("--out-dir", default="out/overload", help="logs, config, per-request lines")
     p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--dialects", nargs="+", default=["vllm"],
+                   choices=sorted(k for k, kind in KINDS.items() if kind.metrics_path),
+                   help="the engines' dialects, cycled (e.g. vllm vllm sglang sglang: a mixed "
+                   "fleet); default all vllm")
     p.add_argument("--profile", default="cpu-gemma3-270m")
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--duration", type=float, default=40.0, help="send window per run, s")
