@@ -140,7 +140,7 @@ class EngineClient:
             except aiohttp.ClientError:
                 raw = b""
             resp.release()
-            if resp.status >= 500:
+            if resp.status >= 500 or resp.status == 429:  # 429: an overloaded engine (TGI)
                 raise UpstreamFailed(Outcome.UPSTREAM_ERROR,
                                      f"engine {engine.id} answered HTTP {resp.status}",
                                      retryable=True)

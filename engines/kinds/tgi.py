@@ -1,20 +1,21 @@
 """Hugging Face TGI's dialect (``kind: external``, ``dialect: tgi``).
 
 Read from TGI's ``router/src/server.rs`` (huggingface/text-generation-inference at
-commit ``d957e32``, TGI 2.x/3.x; routes and ``metrics::describe_*``) and
-``router/src/infer/v3/scheduler.rs``; checked against the simulator speaking this
+commit ``d957e32``, TGI 2.x/3.x; routes and ``metrics::describe_*``); checked against the simulator speaking this
 dialect (``--dialect tgi``), not a real TGI server:
 
-* ``GET /metrics`` (Prometheus text): ``tgi_batch_current_size`` → running,
-  ``tgi_queue_size`` → waiting, ``tgi_batch_current_max_tokens`` (tokens the running
-  batch may reach) over ``tgi_batch_max_total_tokens``… is *not* exported (the budget is
-  ``--max-batch-total-tokens``, only in ``GET /info``), so TGI gives no KV usage,
-  block size or prefix-cache counters here: admitted by in-flight count.
+* ``GET /metrics`` (Prometheus text, metrics-rs exporter, unlabelled):
+  ``tgi_batch_current_size`` → running, ``tgi_queue_size`` → waiting.
+  ``tgi_batch_current_max_tokens`` (tokens the running batch may reach) has no
+  exported budget to divide by (``--max-batch-total-tokens`` is only in ``GET /info``),
+  and there are no prefix-cache counters: TGI gives no KV usage, block size or prefix
+  hits here, so it is admitted by in-flight count.
 * ``GET /health`` 200 after a real forward pass; ``GET /v1/models`` lists the
   ``model_id``; ``/v1/chat/completions`` and ``/v1/completions``.
 * Accepts ``stream_options.include_usage``; no ``cache_salt`` or ``priority``.
 * Errors: ``{"error": "...", "error_type": "..."}`` (a string, not OpenAI's object);
-  overloaded (``--max-concurrent-requests`` reached) is 429, a generation error 424.
+  overloaded (``--max-concurrent-requests`` reached) is 429, which the gateway retries
+  on another engine like a 5xx; a generation error is 424.
 """
 
 from __future__ import annotations

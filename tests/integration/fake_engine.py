@@ -12,6 +12,7 @@ received. ``mode`` selects a behaviour for the next requests:
 * ``slow_first``: waits ``delay_s`` before the first chunk (or the JSON answer).
 * ``stall``: two chunks (role, first word), then waits ``delay_s`` before the next.
 * ``error500``: answers HTTP 500.
+* ``overloaded429``: answers HTTP 429 with TGI's error body (an overloaded engine).
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ class FakeEngine:
         self.headers.append(request.headers.copy())
         if self.mode == "error500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
+        if self.mode == "overloaded429":  # TGI's answer at --max-concurrent-requests
+            return web.json_response({"error": "Model is overloaded",
+                                      "error_type": "overloaded"}, status=429)
         self.running += 1
         try:
             if body.get("stream"):

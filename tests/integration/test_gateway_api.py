@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from gateway.auth import hash_key
 from tests.integration.conftest import make_config, run_gateway
 
@@ -202,9 +204,10 @@ async def test_engine_failure_mid_stream_sends_error_event_and_no_done(engines):
     assert len(e0.received) + len(e1.received) == 1
 
 
-async def test_retry_on_other_engine_before_first_byte(engines):
+@pytest.mark.parametrize("mode", ["error500", "overloaded429"])
+async def test_retry_on_other_engine_before_first_byte(engines, mode):
     bad, good = await engines(2)
-    bad.mode = "error500"
+    bad.mode = mode
     async with run_gateway(make_config([bad, good])) as gw:
         for _ in range(4):
             r = await gw.post("/v1/chat/completions", {**CHAT, "stream": True})
