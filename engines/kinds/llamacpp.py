@@ -1,8 +1,9 @@
 """llama.cpp's ``llama-server`` (``kind: llamacpp``, launched; or ``dialect: llamacpp``).
 
 Read from the llama.cpp tree vendored in ``llama-cpp-python`` 0.3.36 (the pinned source
-``make llama-server`` builds, ``vendor/llama.cpp/tools/server/``) and checked against
-that built server (``tests/fixtures/llamacpp_0.3.36_metrics_busy.txt``):
+``make llama-server`` builds, ``vendor/llama.cpp/tools/server/``; the built binary's
+``--version``: ``0.5.0-dev (build 1, commit 0c1e570)``) and checked against that built
+server (``tests/fixtures/llamacpp_0.3.36_metrics_busy.txt``, ``tests/e2e``):
 
 * ``GET /metrics`` (Prometheus text, only with ``--metrics``;
   ``server_task_result_metrics::to_metrics`` in ``server-task.cpp``):

@@ -96,14 +96,15 @@ def test_llamacpp_simulated_page() -> None:
 
 
 def test_llamacpp_real_page() -> None:
-    """Captured from the built llama-server with requests in flight."""
+    """Captured from the built llama-server (``--parallel 4``) with 5 completions of
+    120 tokens in flight after an earlier wave: 4 slots busy, 3 tasks deferred."""
     text = (FIXTURES / "llamacpp_0.3.36_metrics_busy.txt").read_text()
     snap = KINDS["llamacpp"].parse(text, 1.0, None)
     assert snap.signals == {"running", "waiting", "prefix_hits"}
-    assert snap.num_running >= 1
-    assert snap.generation_tokens > 0
-    assert snap.prefix_cache_queries >= snap.prefix_cache_hits >= 0
-    assert "llamacpp:requests_processing" in text and "llamacpp:kv_cache" not in text
+    assert (snap.num_running, snap.num_waiting) == (4, 3)
+    assert snap.generation_tokens == 805.0
+    assert (snap.prefix_cache_queries, snap.prefix_cache_hits) == (83.0 + 24.0, 24.0)
+    assert snap.kv_cache_usage is None and snap.block_size is None
 
 
 @pytest.mark.parametrize("dialect", ["vllm", "llamacpp", "sglang", "tgi", "trtllm"])
