@@ -9,7 +9,7 @@ import pytest
 from config.loader import ConfigError, load_config, load_file
 from config.schema import TenantsConfig
 from gateway.auth import TenantDirectory, hash_key
-from gateway.openai_api import parse_json, parse_request
+from gateway.openai_api import output_cap, parse_json, parse_request
 from gateway.sse import EventFramer, StreamSummary
 from limits.outcome import Outcome, Rejected
 
@@ -51,6 +51,36 @@ def test_parse_request_output_fields():
     assert r.body["max_completion_tokens"] == 10 and "max_tokens" not in r.body
     r = parse_request("completions", {"model": "m", "prompt": [[1, 2, 3], [4]]})
     assert r.prompt_tokens == 4 and r.max_output_tokens is None and r.output_field == "max_tokens"
+
+
+@pytest.mark.parametrize("endpoint,fields,field,cap", [
+    # chat: max_completion_tokens wins when set (vLLM ChatCompletionRequest)
+    ("chat", {"max_completion_tokens": 50, "max_tokens": 70}, "max_completion_tokens", 50),
+    ("chat", {"max_completion_tokens": None, "max_tokens": 100}, "max_tokens", 100),
+    ("chat", {"max_tokens": 100}, "max_tokens", 100),
+    ("chat", {}, "max_tokens", None),
+    # completions: vLLM reads max_tokens only
+    ("completions", {"max_tokens": 3000, "max_completion_tokens": 1}, "max_tokens", 3000),
+    ("completions", {"max_completion_tokens": 5}, "max_tokens", None),
+    ("completions", {"max_tokens": None, "max_completion_tokens": 5}, "max_tokens", None),
+])
+def test_output_cap_is_the_field_the_engine_reads(endpoint, fields, field, cap):
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat"
+            else {"prompt": "hi"})
+    r = parse_request(endpoint, {"model": "m", **base, **fields})
+    assert (r.output_field, r.max_output_tokens) == (field, cap)
+    assert output_cap(endpoint, r.body) == (field, cap)
+
+
+@pytest.mark.parametrize("endpoint,fields,n", [
+    ("chat", {}, 1), ("chat", {"n": 10}, 10), ("completions", {"n": 2, "best_of": 5}, 5),
+    ("completions", {"prompt": ["a"] * 8}, 8), ("completions", {"prompt": ["a"] * 8, "n": 3}, 24),
+    ("completions", {"prompt": [[1, 2], [3]], "n": 2}, 4), ("completions", {"prompt": [1, 2]}, 1),
+])
+def test_sequences_count_every_generated_output(endpoint, fields, n):
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat"
+            else {"prompt": "hi"})
+    assert parse_request(endpoint, {"model": "m", **base, **fields}).sequences == n
 
 
 @pytest.mark.parametrize("body,param", [
