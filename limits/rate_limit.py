@@ -106,7 +106,7 @@ class Reservation:
 
     Attributes:
         tenant: tenant name.
-        tokens: tokens reserved (prompt estimate + max output), tokens.
+        tokens: tokens reserved (see :func:`reservation_size`), tokens.
         settled: whether :meth:`settle` ran (only the first call counts).
         released: whether the concurrency slot (if any) was returned.
     """
