@@ -144,7 +144,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
             if cfg.gateway.cache.enabled else None
         app[DIRECTOR] = Director(
             cfg, app[POOL], Scheduler(cfg.engines.scheduler),
-            EngineClient(app[SESSION], cfg.gateway.timeouts),
+            EngineClient(app[SESSION], cfg.gateway.timeouts, cfg.gateway.max_event_bytes),
             RateLimiter(store, lease_ttl_s=limits.lease_ttl_s), queues,
             SaturationDetector.from_config(cfg.engines), cache, spans)
 
