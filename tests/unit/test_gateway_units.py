@@ -108,6 +108,17 @@ def test_shipped_config_is_valid():
     assert cfg.tenants.allow_anonymous
 
 
+def test_an_empty_config_file_is_an_error_not_the_defaults(tmp_path):
+    for kind, hint in (("tenants", "tenants: []"), ("gateway", "{}")):
+        p = tmp_path / f"{kind}.yaml"
+        p.write_text("# being rewritten\n")
+        with pytest.raises(ConfigError) as e:
+            load_file(kind, p)
+        assert str(p) in str(e.value) and "empty" in str(e.value) and hint in str(e.value)
+        p.write_text(hint + "\n")
+        load_file(kind, p)  # written explicitly: valid
+
+
 def test_config_errors_name_file_field_and_value(tmp_path):
     p = tmp_path / "tenants.yaml"
     p.write_text("tenants:\n  - name: acme\n    weight: -2\n")
