@@ -114,7 +114,7 @@ def _usage(usage: Mapping[str, Any] | None, prompt_est: int, streamed: int) -> t
 #: past the context length or a bad sampling parameter).
 CLIENT_FAULT = frozenset({400, 413, 422})
 #: Engine statuses that mean "busy, come back later".
-OVERLOADED = {429: Outcome.RATE_LIMITED, 503: Outcome.OVERLOADED}
+ENGINE_BUSY = {429: Outcome.RATE_LIMITED, 503: Outcome.OVERLOADED}
 
 
 def _engine_message(raw: bytes) -> str | None:
@@ -170,8 +170,8 @@ def engine_error(engine_id: str, status: int, headers: Mapping[str, str],
             return Rejected(Outcome.BODY_TOO_LARGE, text)
         return Rejected(Outcome.INVALID_REQUEST, text)
     detail = f"engine {engine_id} answered HTTP {status}" + (f": {message}" if message else "")
-    if status in OVERLOADED:
-        outcome = OVERLOADED[status]
+    if status in ENGINE_BUSY:
+        outcome = ENGINE_BUSY[status]
         return UpstreamFailed(outcome, detail, retryable=True, final=Rejected(
             outcome, "The model's engines are overloaded; retry after the Retry-After delay.",
             retry_after_s=retry_after_s(headers.get("Retry-After")), reason="engine_overloaded"))
