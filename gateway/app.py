@@ -145,7 +145,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
             if cfg.gateway.cache.enabled else None
         app[DIRECTOR] = Director(
             cfg=cfg, pool=app[POOL], scheduler=Scheduler(cfg.engines.scheduler),
-            client=EngineClient(app[SESSION], cfg.gateway.timeouts),
+            client=EngineClient(app[SESSION], cfg.gateway.timeouts, cfg.gateway.max_event_bytes),
             limiter=RateLimiter(store, lease_ttl_s=limits.lease_ttl_s), queues=queues,
             detector=SaturationDetector.from_config(cfg.engines), cache=cache, clock=clock,
             spans=spans)

@@ -393,6 +393,8 @@ class Director:
         return result
 
     def _final_error(self, req: InferenceRequest, failed: UpstreamFailed) -> Rejected:
+        if failed.final is not None:
+            return failed.final
         if failed.outcome is Outcome.UPSTREAM_TIMEOUT:
             return Rejected(Outcome.UPSTREAM_TIMEOUT, "The engine did not answer in time.")
         if failed.outcome is Outcome.NO_ENGINE:

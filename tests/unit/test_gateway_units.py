@@ -10,7 +10,8 @@ from config.loader import ConfigError, load_config, load_file
 from config.schema import TenantsConfig
 from gateway.auth import TenantDirectory, hash_key
 from gateway.openai_api import output_cap, parse_json, parse_request
-from gateway.sse import EventFramer, StreamSummary
+from gateway.proxy import retry_after_s
+from gateway.sse import EventFramer, EventTooLarge, StreamSummary
 from limits.outcome import Outcome, Rejected
 
 
@@ -19,7 +20,7 @@ def test_framer_never_splits_utf8_and_keeps_the_tail():
     stream = b"".join(b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": w}}]},
                                               ensure_ascii=False).encode() + b"\n\n"
                       for w in text.split(" ")) + b"data: [DONE]\n\n"
-    framer, events = EventFramer(), []
+    framer, events = EventFramer(1024), []
     for i in range(0, len(stream), 5):  # 5-byte reads cut characters apart
         events += framer.feed(stream[i:i + 5])
     assert framer.pending == b""
@@ -28,6 +29,24 @@ def test_framer_never_splits_utf8_and_keeps_the_tail():
         summary.observe(e)
     assert summary.done and "".join(summary.texts[0]) == text.replace(" ", "")
     assert summary.content_chunks == 3
+
+
+def test_framer_bounds_one_event_and_drops_it():
+    framer = EventFramer(1024)
+    assert framer.feed(b'data: {"a": 1}\n\ndata: {"x":"') == [b'data: {"a": 1}\n\n']
+    assert framer.feed(b"y" * 1000) == []
+    with pytest.raises(EventTooLarge):
+        framer.feed(b"y" * 20)  # 12 + 1020 bytes, no end: past 1024
+    assert framer.pending == b""
+    with pytest.raises(EventTooLarge):  # a complete event past the bound, in one read
+        framer.feed(b"data: " + b"z" * 2000 + b"\n\ndata: [DONE]\n\n")
+    assert framer.feed(b"data: " + b"z" * 1000 + b"\n\n") == [b"data: " + b"z" * 1000 + b"\n\n"]
+
+
+def test_retry_after_seconds_or_http_date():
+    assert retry_after_s("7") == 7.0
+    assert retry_after_s(None) is None and retry_after_s("soon") is None
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past
 
 
 def test_summary_rebuilds_a_finished_answer_only():
@@ -117,6 +136,17 @@ def test_shipped_config_is_valid():
     assert cfg.gateway.max_body_bytes == 8 * 1024 * 1024
     assert cfg.engines.model_names() == ["gemma3-270m"]
     assert cfg.tenants.allow_anonymous
+
+
+def test_an_empty_config_file_is_an_error_not_the_defaults(tmp_path):
+    for kind, hint in (("tenants", "tenants: []"), ("gateway", "{}")):
+        p = tmp_path / f"{kind}.yaml"
+        p.write_text("# being rewritten\n")
+        with pytest.raises(ConfigError) as e:
+            load_file(kind, p)
+        assert str(p) in str(e.value) and "empty" in str(e.value) and hint in str(e.value)
+        p.write_text(hint + "\n")
+        load_file(kind, p)  # written explicitly: valid
 
 
 def test_config_errors_name_file_field_and_value(tmp_path):
