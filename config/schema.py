@@ -126,7 +126,9 @@ class GatewayConfig(_Strict):
     admin_key_hashes: list[str] = Field(default_factory=list)
     retry_attempts: int = Field(2, ge=1, description="engines tried before the first byte")
     default_output_tokens: int = Field(
-        256, ge=1, description="output tokens reserved when a request sets no max_tokens")
+        256, ge=1, description="output tokens reserved when a request sets no output cap; "
+        "for a tenant with tokens_per_min it also becomes the request's cap (lowered to "
+        "what the quota can hold), so generation never exceeds what was reserved")
     drain_grace_s: float = Field(30.0, ge=0)
 
     @field_validator("admin_key_hashes")

@@ -235,6 +235,9 @@ class Director:
                     async with await self._reserve(tenant, 0, rec, concurrency=False):
                         return await self._answer_from_cache(request, req, hit, rec, started)
             size = self._sizing(tenant, req)
+            if req.max_output_tokens is None and tenant.tokens_per_min is not None:
+                # the quota holds only if the engine stops where the reservation does
+                req.set_output_cap(size.output // req.sequences)
             rec.reserved_output_tokens = size.output
             async with await self._reserve(tenant, size.total, rec) as reservation:
                 try:

@@ -200,7 +200,9 @@ async def test_no_cap_on_a_small_quota_is_admitted_not_refused_forever() -> None
     rec, resp = await h.run(chat(), t)
     assert rec.outcome is Outcome.OK, resp
     assert rec.reserved_output_tokens == 200 - rec.prompt_tokens
-    assert "max_tokens" not in h.client.calls[0][1]  # the client's body is not capped
+    sent = h.client.calls[0][1]  # the engine stops where the reservation does
+    assert sent.get("max_completion_tokens", sent.get("max_tokens")) == 200 - rec.prompt_tokens
+    assert rec.overshoot_tokens == 0
     h.assert_nothing_held()
 
 
