@@ -368,14 +368,14 @@ class Director:
                         inject_traceparent(upstream)
                     result = await self.client.send(placement.engine, req, request, headers,
                                                     upstream)
-                placement.engine.upstream_failures = 0
+                placement.engine.breaker.record(True)
                 rec.outcome, rec.ttft_s = result.outcome, result.ttft_s
                 rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens
                 rec.finish_reasons = result.finish_reasons
                 return result
             except UpstreamFailed as failed:
                 if failed.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
-                    placement.engine.upstream_failures += 1  # the supervisor's probes read it
+                    placement.engine.breaker.record(False)
                 tried.add(placement.engine.id)
                 retry = failed.retryable and len(tried) < self.cfg.gateway.retry_attempts
                 nxt = self._place(req, tenant, sreq, frozenset(tried)) if retry else None
