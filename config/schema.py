@@ -14,9 +14,16 @@ silently ignored setting.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -256,12 +263,53 @@ class ModelConfig(_Strict):
 
 
 class PluginConfig(_Strict):
-    """A scheduler plugin chosen by its kebab-case ``type``; ``weight`` applies to
-    scorers; ``params`` go to the plugin's constructor."""
+    """A scheduler plugin of one role, chosen by its kebab-case ``type`` among the
+    plugins registered for the role (:mod:`engines.plugins`); ``params`` are checked
+    against the plugin's ``Params`` model, and stored with its defaults filled in.
+    An unknown type is an error at ``….type`` listing the valid ones; a bad
+    parameter, one at ``….params.<name>``. Use :class:`FilterConfig`,
+    :class:`ScorerConfig` or :class:`PickerConfig`."""
 
+    role: ClassVar[str]
     type: str
-    weight: float = Field(1.0, ge=0)
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, v: str) -> str:
+        from engines.plugins import plugin_class  # engines.plugins imports this module
+
+        plugin_class(cls.role, v)
+        return v
+
+    @field_validator("params")
+    @classmethod
+    def _typed_params(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "type" not in info.data:  # the type is already reported as unknown
+            return v
+        from engines.plugins import plugin_class
+
+        params: BaseModel = plugin_class(cls.role, info.data["type"]).Params.model_validate(v)
+        return params.model_dump()
+
+
+class FilterConfig(PluginConfig):
+    """A filter: removes engines that should not take the request."""
+
+    role: ClassVar[str] = "filter"
+
+
+class ScorerConfig(PluginConfig):
+    """A scorer; ``weight`` multiplies its 0–1 score in the total."""
+
+    role: ClassVar[str] = "scorer"
+    weight: float = Field(1.0, ge=0)
+
+
+class PickerConfig(PluginConfig):
+    """The picker: chooses the engine from the total scores."""
+
+    role: ClassVar[str] = "picker"
 
 
 class PrefixConfig(_Strict):
@@ -289,11 +337,11 @@ class SessionsConfig(_Strict):
 
 
 class SchedulerConfig(_Strict):
-    filters: list[PluginConfig] = Field(default_factory=list)
-    scorers: list[PluginConfig] = Field(
-        default_factory=lambda: [PluginConfig(type="least-in-flight")]
+    filters: list[FilterConfig] = Field(default_factory=list)
+    scorers: list[ScorerConfig] = Field(
+        default_factory=lambda: [ScorerConfig(type="least-in-flight")]
     )
-    picker: PluginConfig = PluginConfig(type="max-score")
+    picker: PickerConfig = Field(default_factory=lambda: PickerConfig(type="max-score"))
     prefix: PrefixConfig = PrefixConfig()
     sessions: SessionsConfig = SessionsConfig()
 
