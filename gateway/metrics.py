@@ -14,7 +14,7 @@ similar 10 ms – 2.5 s range, vllm/v1/metrics/loggers.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -23,6 +23,8 @@ from prometheus_client.registry import Collector
 
 from engines.pool import EnginePool, EngineState
 from gateway.record import RequestRecord
+from limits.admission import AdmissionQueue
+from limits.interfaces import CounterStore
 from limits.outcome import Outcome
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 600)
@@ -128,15 +130,14 @@ class FleetCollector(Collector):
 
     Args:
         pool: the engine pool.
-        queues: returns ``{model: queue}`` where each queue has ``depth() ->
-            {priority: n}`` (the admission queues; empty before start-up).
+        queues: the admission queues, ``{model: queue}``.
         metrics: for the per-engine prefix-match ratio.
-        failovers: returns the counter store's Redis failover count (0 without Redis).
+        store: the rate-limit counter store (its ``failovers`` count).
     """
 
-    def __init__(self, pool: EnginePool, queues: Callable[[], Mapping[str, Any]],
-                 metrics: GatewayMetrics, failovers: Callable[[], int]) -> None:
-        self.pool, self.queues, self.metrics, self.failovers = pool, queues, metrics, failovers
+    def __init__(self, *, pool: EnginePool, queues: Mapping[str, AdmissionQueue[Any]],
+                 metrics: GatewayMetrics, store: CounterStore) -> None:
+        self.pool, self.queues, self.metrics, self.store = pool, queues, metrics, store
 
     def collect(self) -> Iterator[Any]:
         up = GaugeMetricFamily("sluice_engine_up", "1 if the engine is ready (routable).",
@@ -172,12 +173,12 @@ class FleetCollector(Collector):
                                   labels=["model", "priority"])
         queued = GaugeMetricFamily("sluice_queue_tokens", "Estimated tokens queued.",
                                    labels=["model"])
-        for model, q in self.queues().items():
+        for model, q in self.queues.items():
             for priority, n in q.depth().items():
                 depth.add_metric([model, priority], n)
             queued.add_metric([model], q.tokens_queued)
         failovers = CounterMetricFamily("sluice_limits_store_failovers",
                                         "Times the shared counter store became unreachable.")
-        failovers.add_metric([], self.failovers())
+        failovers.add_metric([], self.store.failovers)
         yield from (up, kv, running, waiting, in_flight, restarts, prefix, depth, queued,
                     failovers)
