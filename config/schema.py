@@ -208,13 +208,18 @@ class TenantsConfig(_Strict):
 # --------------------------------------------------------------------------- engines
 
 
+#: ``EngineSpec.tokenizer`` value naming the dependency-free tokenizer the simulator
+#: uses (``engines.blocks.FallbackEncoder``).
+FALLBACK_TOKENIZER = "fallback"
+
+
 class EngineSpec(_Strict):
     """One engine entry; ``replicas`` > 1 expands to that many processes.
 
     ``kind``: ``vllm`` (the gateway launches ``vllm serve``), ``sim`` (the gateway
     launches ``python -m loadtest.sim_engine``), ``external`` (only probed and routed
     to at ``url``). ``port`` or ``port_range`` [first, last] for launched kinds; with
-    neither, free ports are chosen.
+    neither, free ports are chosen. ``tokenizer``: see :attr:`tokenizer_source`.
     """
 
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -230,12 +235,28 @@ class EngineSpec(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     cache_salt: bool | None = Field(
         None, description="accepts vLLM's cache_salt; None: yes for vllm and sim kinds")
+    tokenizer: str | None = Field(
+        None, description=f"how the gateway tokenizes prompts for prefix routing: "
+        f"{FALLBACK_TOKENIZER!r} (the simulator's tokenizer), a folder with tokenizer.json, "
+        f"or 'packaged:gemma3-270m'; None: model_path for kind vllm, {FALLBACK_TOKENIZER!r} "
+        f"otherwise")
 
     @property
     def accepts_cache_salt(self) -> bool:
         """Whether requests to this engine may carry ``cache_salt`` (vLLM ≥ 0.9 and
         the simulator do; an ``external`` server is not assumed to)."""
         return self.cache_salt if self.cache_salt is not None else self.kind != "external"
+
+    @property
+    def tokenizer_source(self) -> str:
+        """``tokenizer``, or its default for the kind: a vLLM engine tokenizes with its
+        model's own tokenizer; the simulator with :data:`FALLBACK_TOKENIZER`; an
+        ``external`` server's tokenizer is not assumed to be on local disk."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        if self.kind == "vllm" and self.model_path:
+            return self.model_path
+        return FALLBACK_TOKENIZER
 
     @model_validator(mode="after")
     def _kind(self) -> EngineSpec:
