@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engines.breaker import BreakerState
 from engines.pool import EnginePool, EngineState
 from gateway.record import RequestRecord
 from limits.admission import AdmissionQueue
@@ -153,6 +154,10 @@ class FleetCollector(Collector):
                                       labels=["engine", "model"])
         restarts = CounterMetricFamily("sluice_engine_restarts", "Engine restarts.",
                                        labels=["engine", "model"])
+        breaker = GaugeMetricFamily(
+            "sluice_engine_breaker_open",
+            "1 while the engine's circuit breaker is open or half-open (failed requests).",
+            labels=["engine", "model"])
         prefix = GaugeMetricFamily("sluice_engine_prefix_match_ratio",
                                    "Mean prefix-affinity score of routed requests, 0-1.",
                                    labels=["engine", "model"])
@@ -166,6 +171,7 @@ class FleetCollector(Collector):
                 waiting.add_metric(labels, e.metrics.num_waiting)
             in_flight.add_metric(labels, e.in_flight)
             restarts.add_metric(labels, e.restarts)
+            breaker.add_metric(labels, 0.0 if e.breaker.state is BreakerState.CLOSED else 1.0)
             ratio = self.metrics.prefix_match_ratio(e.id)
             if ratio is not None:
                 prefix.add_metric(labels, ratio)
@@ -180,5 +186,5 @@ class FleetCollector(Collector):
         failovers = CounterMetricFamily("sluice_limits_store_failovers",
                                         "Times the shared counter store became unreachable.")
         failovers.add_metric([], self.store.failovers)
-        yield from (up, kv, running, waiting, in_flight, restarts, prefix, depth, queued,
+        yield from (up, kv, running, waiting, in_flight, restarts, breaker, prefix, depth, queued,
                     failovers)

@@ -270,6 +270,8 @@ async def test_first_token_timeouts_count_as_failed_probes(engines):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 3
         assert engine.breaker.state.value == "open" and not engine.routable
+        metrics = await (await gw.session.get(gw.url + "/metrics")).text()
+        assert 'sluice_engine_breaker_open{engine="e0",model="fake-model"} 1.0' in metrics
         while engine.state.value != "unhealthy" and loop.time() < deadline:
             await asyncio.sleep(0.05)
         # the two requests, then the runner's failed inference probes
