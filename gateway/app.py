@@ -130,11 +130,11 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app[POOL] = EnginePool()
     app[SCHEDULER] = Scheduler(cfg.engines.scheduler)
     clock = MonotonicClock()
-    app[QUEUES] = {m: AdmissionQueue(m, cfg.gateway.queue, clock)
+    app[QUEUES] = {m: AdmissionQueue(model=m, config=cfg.gateway.queue, clock=clock)
                    for m in cfg.engines.model_names()}
     app[STORE] = open_store(limits.store_url, failure=limits.redis_failure,
                             timeout_s=limits.redis_timeout_s)  # connects lazily
-    metrics = GatewayMetrics(cfg.engines.model_names(),
+    metrics = GatewayMetrics(models=cfg.engines.model_names(),
                              semantic=cache_cfg.enabled and cache_cfg.semantic.enabled)
     app[METRICS] = metrics
     metrics.registry.register(FleetCollector(pool=app[POOL], queues=app[QUEUES],
@@ -143,8 +143,8 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
         [log_access] if obs.access_log else [])
     app[SPANS], app[TRACER_PROVIDER] = make_tracer(obs, span_exporter)
     tenants_path = cfg.paths.get("tenants")
-    app[RELOADER] = TenantReloader(Path(tenants_path), app[TENANTS], metrics.on_reload) \
-        if tenants_path else None
+    app[RELOADER] = TenantReloader(path=Path(tenants_path), tenants=app[TENANTS],
+                                   on_result=metrics.on_reload) if tenants_path else None
     app[STATS] = StatsFeed(metrics=metrics, pool=app[POOL], queues=app[QUEUES],
                            reloads=app[RELOADER].history if app[RELOADER] else ())
 
@@ -178,7 +178,7 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
         auto_decompress=False,
     )
     app[SESSION] = session
-    supervisor = Supervisor(cfg.engines, app[POOL], session,
+    supervisor = Supervisor(cfg=cfg.engines, pool=app[POOL], session=session,
                             model_cache_dir=app[MODEL_CACHE_DIR])
     app[SUPERVISOR] = supervisor
     await supervisor.start()
@@ -198,8 +198,8 @@ async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
         if cfg.gateway.cache.enabled else None
     app[DIRECTOR] = Director(
         cfg=cfg, pool=pool, scheduler=app[SCHEDULER],
-        client=EngineClient(app[SESSION], cfg.gateway.timeouts),
-        limiter=RateLimiter(store, lease_ttl_s=cfg.gateway.limits.lease_ttl_s),
+        client=EngineClient(session=app[SESSION], timeouts=cfg.gateway.timeouts),
+        limiter=RateLimiter(store=store, lease_ttl_s=cfg.gateway.limits.lease_ttl_s),
         queues=queues, detector=SaturationDetector.from_config(cfg.engines), cache=cache,
         spans=app[SPANS])
 
