@@ -12,6 +12,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engines.breaker import CircuitBreaker
+
 
 class EngineState(enum.Enum):
     """Life cycle: starting → ready ⇄ unhealthy → restarting → starting …;
@@ -68,9 +70,8 @@ class Engine:
             (prefix index) drop entries from older generations.
         promised_blocks: KV blocks reserved by in-flight requests (limits' KV budget).
         restarts: restarts so far.
-        upstream_failures: requests in a row that timed out before their first token
-            or could not connect (the gateway resets it on a success); at the
-            supervisor's ``failure_threshold`` the engine's probes count as failed.
+        breaker: the engine's :class:`~engines.breaker.CircuitBreaker` (requests that
+            timed out before their first token or could not connect open it).
     """
 
     id: str
@@ -82,12 +83,13 @@ class Engine:
     generation: int = 0
     promised_blocks: int = 0
     restarts: int = 0
-    upstream_failures: int = 0
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     labels: dict[str, str] = field(default_factory=dict)
 
     @property
     def routable(self) -> bool:
-        return self.state is EngineState.READY
+        """Ready, and its circuit breaker admits one more request."""
+        return self.state is EngineState.READY and self.breaker.admits(self.in_flight)
 
     # The load view admission control reads (``limits.interfaces.EngineLoad``).
     @property
@@ -138,8 +140,9 @@ class EnginePool:
         return self._by_model.get(model, [])
 
     def ready_models(self) -> list[str]:
-        """Models with at least one ready engine, in configuration order."""
-        return list(dict.fromkeys(e.model for e in self.engines if e.routable))
+        """Models with at least one ready engine (whatever its circuit breaker says: a
+        breaker opens for seconds), in configuration order."""
+        return list(dict.fromkeys(e.model for e in self.engines if e.state is EngineState.READY))
 
     def set_state(self, engine: Engine, state: EngineState) -> None:
         if engine.state is not state:
