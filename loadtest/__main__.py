@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "overload": "loadtest.overload",
     "semcache": "loadtest.semcache",
     "validate-sim": "loadtest.validate_sim",
+    "token-estimate": "loadtest.token_estimate",
 }
 
 

@@ -1,8 +1,8 @@
 """Hugging Face TGI's dialect (``kind: external``, ``dialect: tgi``).
 
 Read from TGI's ``router/src/server.rs`` (huggingface/text-generation-inference at
-commit ``d957e32``, TGI 2.x/3.x; routes and ``metrics::describe_*``); checked against the simulator speaking this
-dialect (``--dialect tgi``), not a real TGI server:
+commit ``d957e32``, TGI 2.x/3.x; routes and ``metrics::describe_*``); checked against
+the simulator speaking this dialect (``--dialect tgi``), not a real TGI server:
 
 * ``GET /metrics`` (Prometheus text, metrics-rs exporter, unlabelled):
   ``tgi_batch_current_size`` → running, ``tgi_queue_size`` → waiting.
@@ -15,7 +15,7 @@ dialect (``--dialect tgi``), not a real TGI server:
 * Accepts ``stream_options.include_usage``; no ``cache_salt`` or ``priority``.
 * Errors: ``{"error": "...", "error_type": "..."}`` (a string, not OpenAI's object);
   overloaded (``--max-concurrent-requests`` reached) is 429, which the gateway retries
-  on another engine like a 5xx; a generation error is 424.
+  on another engine (``gateway.proxy.engine_error``); a generation error is 424.
 """
 
 from __future__ import annotations

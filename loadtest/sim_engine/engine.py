@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from loadtest.sim_engine.kv_cache import KVCache
-from loadtest.sim_engine.metrics import SimMetrics
+from loadtest.sim_engine.metrics import sim_metrics
 from loadtest.sim_engine.profiles import Profile
 from loadtest.sim_engine.scheduler import Scheduler, SimRequest
 
@@ -44,7 +44,7 @@ class SimEngine:
         self.clock = clock
         self.kv = KVCache(profile.num_blocks, profile.block_size)
         self.scheduler = Scheduler(profile, self.kv)
-        self.metrics = SimMetrics(self.scheduler, model_name)
+        self.metrics = sim_metrics(self.scheduler, model_name)
         self._wake = asyncio.Event()
 
     def submit(self, req: SimRequest) -> None:
