@@ -35,6 +35,7 @@ from aiohttp import web
 from opentelemetry import trace
 
 from config.schema import Timeouts
+from engines.kinds import KINDS
 from engines.pool import Engine
 from gateway.errors import sse_error_event
 from gateway.openai_api import PATHS, InferenceRequest
@@ -206,11 +207,15 @@ class EngineClient:
 
     async def _open(self, engine: Engine, req: InferenceRequest,
                     headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+        # llama-server drops the connection after a stream while announcing keep-alive:
+        # a pooled connection would fail the next request (engines.kinds.llamacpp)
+        close = req.stream and KINDS[engine.labels.get("dialect", "vllm")].close_after_stream
         try:
             resp = await self.session.post(
                 engine.base_url + PATHS[req.endpoint],
                 data=self._upstream_body(req),
-                headers={"Content-Type": "application/json", **headers},
+                headers={"Content-Type": "application/json",
+                         **({"Connection": "close"} if close else {}), **headers},
                 timeout=self._client_timeout,
             )
         except (aiohttp.ClientConnectionError, OSError) as e:

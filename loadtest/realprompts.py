@@ -13,9 +13,11 @@ default config (one CPU vLLM engine on the packaged Gemma 3 270M) and measures t
 ``--engine-kind llamacpp`` replaces that engine by llama.cpp's ``llama-server`` on the
 packaged GGUF (``loadtest.launch.llamacpp_config``; ``make llama-server`` first).
 
-JSON: ``{"engine_kind", "direct"|"gateway": {"c1"|"c8": {ttft_p50_ms, ttft_p99_ms,
-tpot_p50_ms, output_tok_s, errors}}, "throughput_ratio_c8": gateway/direct,
-"ttft_p50_added_ms_c1"}``.
+JSON: ``{"engine_kind", "direct_headers", "limit", "direct"|"gateway": {"c1"|"c8":
+{ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, output_tok_s, errors}}, "throughput_ratio_c8":
+gateway/direct, "ttft_p50_added_ms_c1"}``. ``direct_headers``: with llama.cpp the direct
+client sends ``Connection: close`` (llama-server drops the connection after each stream
+while announcing keep-alive; the gateway does the same, ``engines.kinds.llamacpp``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def _body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
 
 
 async def _run_concurrent(session: aiohttp.ClientSession, url: str, bodies: list[dict[str, Any]],
-                          concurrency: int) -> tuple[list[Measured], float]:
+                          concurrency: int, headers: dict[str, str] | None = None,
+                          ) -> tuple[list[Measured], float]:
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     for b in bodies:
         queue.put_nowait(b)
@@ -58,7 +61,7 @@ async def _run_concurrent(session: aiohttp.ClientSession, url: str, bodies: list
 
     async def worker() -> None:
         while not queue.empty():
-            results.append(await send_measured(session, url, queue.get_nowait()))
+            results.append(await send_measured(session, url, queue.get_nowait(), headers))
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -66,25 +69,27 @@ async def _run_concurrent(session: aiohttp.ClientSession, url: str, bodies: list
 
 
 async def measure(engine: str, gateway: str, model: str, prompts: list[str],
-                  max_tokens: int) -> dict[str, Any]:
+                  max_tokens: int, direct_headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """Both paths at c1 then c8; ``direct_headers`` go with every direct request."""
     paths = {"direct": engine + "/v1/chat/completions", "gateway": gateway + "/v1/chat/completions"}
+    headers = {"direct": direct_headers, "gateway": None}
     bodies = [_body(model, p, max_tokens) for p in prompts]
     out: dict[str, Any] = {"direct": {}, "gateway": {}}
     async with aiohttp.ClientSession() as session:
-        for url in paths.values():  # warm up both paths (connections, engine caches)
-            await send_measured(session, url, _body(model, "Hello", 4))
+        for name, url in paths.items():  # warm up both paths (connections, engine caches)
+            await send_measured(session, url, _body(model, "Hello", 4), headers[name])
         c1: dict[str, list[Measured]] = {"direct": [], "gateway": []}
         spent = {"direct": 0.0, "gateway": 0.0}
         for i, body in enumerate(bodies):
             order = ["direct", "gateway"] if i % 2 == 0 else ["gateway", "direct"]
             for name in order:
                 t = time.perf_counter()
-                c1[name].append(await send_measured(session, paths[name], body))
+                c1[name].append(await send_measured(session, paths[name], body, headers[name]))
                 spent[name] += time.perf_counter() - t
         for name in paths:
             out[name]["c1"] = summarize(c1[name], spent[name])
         for name in paths:
-            results, wall = await _run_concurrent(session, paths[name], bodies, 8)
+            results, wall = await _run_concurrent(session, paths[name], bodies, 8, headers[name])
             out[name]["c8"] = summarize(results, wall)
     d, g = out["direct"], out["gateway"]
     out["throughput_ratio_c8"] = round(g["c8"]["output_tok_s"] / d["c8"]["output_tok_s"], 4) \
@@ -107,9 +112,13 @@ def main(argv: list[str]) -> int:
                     help="engine sluice serve launches (default vllm, the shipped config)")
     args = ap.parse_args(argv)
     prompts = [p[: args.max_prompt_chars] for p in read_prompts("v0.1")[: args.limit]]
+    # llama-server closes the connection after each stream though it announces keep-alive
+    # (engines.kinds.llamacpp); the direct client closes it too, as the gateway does,
+    # so neither path reuses a dead connection
+    direct = {"Connection": "close"} if args.engine_kind == "llamacpp" else None
     if args.gateway_url and args.engine_url:
         result = asyncio.run(measure(args.engine_url, args.gateway_url, args.model, prompts,
-                                     args.max_tokens))
+                                     args.max_tokens, direct))
     else:
         import tempfile
 
@@ -120,8 +129,9 @@ def main(argv: list[str]) -> int:
             with gateway(config) as gw:
                 (engine,) = gw.engine_urls()
                 result = asyncio.run(measure(engine, gw.url, args.model, prompts,
-                                             args.max_tokens))
-    result = {"engine_kind": args.engine_kind, **result}
+                                             args.max_tokens, direct))
+    result = {"engine_kind": args.engine_kind, "direct_headers": direct, "limit": args.limit,
+              **result}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

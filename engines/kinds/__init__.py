@@ -50,6 +50,9 @@ class EngineKind:
         accepts: request fields beyond the OpenAI core the engine accepts:
             ``cache_salt`` (vLLM's per-request prefix-cache salt), ``priority``
             (per-request scheduling priority), ``stream_options`` (usage in streams).
+        close_after_stream: the server closes the connection after a streamed answer
+            (though it announces keep-alive): the gateway sends ``Connection: close``
+            on streams so no pooled connection is reused dead.
         quirks: one line on usage/error behaviour that differs from vLLM's.
     """
 
@@ -60,6 +63,7 @@ class EngineKind:
     health_path: str = "/health"
     probe_endpoint: Literal["completions", "chat"] = "completions"
     accepts: frozenset[str] = frozenset({"stream_options"})
+    close_after_stream: bool = False
     quirks: str = ""
 
 

@@ -24,6 +24,10 @@ server (``tests/fixtures/llamacpp_0.3.36_metrics_busy.txt``, ``tests/e2e``):
   ``stream_options.include_usage`` (``server-schema.cpp``); ``cache_salt`` and
   ``priority`` are not fields of llama.cpp (it re-uses a slot's prompt cache by longest
   common prefix, ``cache_prompt``).
+* Connections: after a streamed answer llama-server closes the connection although it
+  answered ``Keep-Alive: timeout=5`` (seen with curl and aiohttp on the built server:
+  every second stream on a reused connection failed); the gateway sends
+  ``Connection: close`` on streams to it (``close_after_stream``).
 * Errors: OpenAI form ``{"error": {"code", "message", "type"}}``; a prompt over the
   slot's context is 400 ``exceed_context_size_error`` ("the request exceeds the
   available context size"); a full queue does not reject (tasks are deferred).
@@ -128,5 +132,6 @@ def parse(text: str, at: float, previous: MetricsSnapshot | None) -> MetricsSnap
 KIND = EngineKind(
     name="llamacpp", metrics_path="/metrics", parse=parse,
     signals=frozenset({"running", "waiting", "prefix_hits"}),
+    close_after_stream=True,
     quirks="no KV usage/blocks: admitted by in-flight count; full queue defers, never 429",
 )

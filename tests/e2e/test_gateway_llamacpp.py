@@ -10,6 +10,7 @@ import re
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -64,6 +65,20 @@ def test_chat_stream_with_usage(client):
     assert 0 < chunks[-1].usage.completion_tokens <= 8
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert isinstance(text, str)
+
+
+def test_streams_back_to_back_and_concurrent(client):
+    """llama-server drops the connection after each stream: none of these may fail on a
+    reused dead connection (the gateway closes it itself)."""
+    def stream(i: int) -> int:
+        chunks = list(client.chat.completions.create(
+            model=MODEL, max_tokens=4, stream=True, stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": f"Number {i}"}]))
+        return chunks[-1].usage.completion_tokens
+
+    assert all(stream(i) > 0 for i in range(6))
+    with ThreadPoolExecutor(8) as pool:
+        assert all(n > 0 for n in pool.map(stream, range(8)))
 
 
 def test_stream_without_usage_gets_none(client):
