@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.kinds import SIGNALS
 from engines.metrics import parse_metrics
 from engines.pool import MetricsSnapshot
 
@@ -93,7 +94,8 @@ def test_shared_vllm_writer_round_trips_through_parse_metrics() -> None:
     snap = parse_metrics(text, at=5.0)
     assert snap == MetricsSnapshot(at=5.0, kv_cache_usage=0.25, num_running=3, num_waiting=2,
                                    prefix_cache_queries=1213, prefix_cache_hits=768,
-                                   generation_tokens=37, block_size=128, num_blocks=2730)
+                                   generation_tokens=37, block_size=128, num_blocks=2730,
+                                   signals=frozenset(SIGNALS))
     stats.running = 0  # read at every render
     assert parse_metrics(writer.render().decode(), at=6.0).num_running == 0
     # vLLM 0.32's spelling (tests/fixtures): counters with _total and _created samples,
