@@ -267,7 +267,10 @@ class EngineSpec(_Strict):
         the simulator in vLLM's dialect do; an ``external`` server is not assumed to)."""
         if self.cache_salt is not None:
             return self.cache_salt
-        return self.kind in ("vllm", "sim") and self.engine_dialect == "vllm"
+        from engines.kinds import KINDS  # the dialect's accepted fields
+
+        launched = self.kind != "external"
+        return launched and "cache_salt" in KINDS[self.engine_dialect].accepts
 
     @property
     def tokenizer_source(self) -> str:
