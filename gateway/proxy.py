@@ -165,7 +165,9 @@ def engine_error(engine_id: str, status: int, headers: Mapping[str, str],
     if status in CLIENT_FAULT:
         text = message or f"The engine rejected the request (HTTP {status})."
         lowered = text.lower()
-        if "context length" in lowered or "maximum context" in lowered or "too long" in lowered:
+        # vLLM: "maximum context length"; llama.cpp: "exceeds the available context size"
+        if any(k in lowered for k in ("context length", "maximum context", "too long",
+                                      "context size")):
             return Rejected(Outcome.CONTEXT_LENGTH_EXCEEDED, text, param="messages")
         if status == 413:
             return Rejected(Outcome.BODY_TOO_LARGE, text)

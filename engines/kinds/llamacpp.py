@@ -29,8 +29,9 @@ server (``tests/fixtures/llamacpp_0.3.36_metrics_busy.txt``, ``tests/e2e``):
   every second stream on a reused connection failed); the gateway sends
   ``Connection: close`` on streams to it (``close_after_stream``).
 * Errors: OpenAI form ``{"error": {"code", "message", "type"}}``; a prompt over the
-  slot's context is 400 ``exceed_context_size_error`` ("the request exceeds the
-  available context size"); a full queue does not reject (tasks are deferred).
+  slot's context is 400 ``exceed_context_size_error`` ("request (N tokens) exceeds the
+  available context size (M tokens)…", ``server-context.cpp``), which the gateway maps
+  to ``context_length_exceeded``; a full queue does not reject (tasks are deferred).
 """
 
 from __future__ import annotations

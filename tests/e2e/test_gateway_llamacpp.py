@@ -81,6 +81,13 @@ def test_streams_back_to_back_and_concurrent(client):
         assert all(n > 0 for n in pool.map(stream, range(8)))
 
 
+def test_prompt_over_the_slot_context_is_context_length_exceeded(client):
+    """A 2,048-token slot; a ~3,000-token prompt: llama.cpp's 400 maps to our code."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="word " * 3000, max_tokens=4)
+    assert err.value.code == "context_length_exceeded"
+
+
 def test_stream_without_usage_gets_none(client):
     chunks = list(client.chat.completions.create(
         model=MODEL, max_tokens=4, stream=True,
