@@ -13,6 +13,9 @@ SUBCOMMANDS = {
     "overload": "loadtest.overload",
     "semcache": "loadtest.semcache",
     "validate-sim": "loadtest.validate_sim",
+    "fuzz": "loadtest.fuzz",
+    "faults": "loadtest.faults",
+    "soak": "loadtest.soak",
 }
 
 
