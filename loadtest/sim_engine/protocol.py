@@ -83,7 +83,11 @@ def _text(content: Any) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts = [p for p in content if isinstance(p, dict)]
+        if not all(isinstance(p.get("text", ""), str) for p in parts):
+            # vLLM's pydantic models answer 400 for a text part whose text is not a string
+            raise RequestError("a content part's text must be a string", param="messages")
+        return "".join(p.get("text", "") for p in parts)
     raise RequestError("message content must be a string or a list of parts",
                        param="messages")
 
