@@ -183,6 +183,19 @@ async def disconnecting_client(session: aiohttp.ClientSession, url: str, rng: ra
     return n
 
 
+def dechunk(data: bytes) -> bytes:
+    """The payload of an HTTP/1.1 chunked body (RFC 9112 §7.1); a truncated body
+    gives what arrived."""
+    out, pos = bytearray(), 0
+    while (eol := data.find(b"\r\n", pos)) != -1:
+        size = int(data[pos:eol].split(b";")[0] or b"0", 16)
+        if size == 0:
+            break
+        out += data[eol + 2:eol + 2 + size]
+        pos = eol + 2 + size + 2
+    return bytes(out)
+
+
 async def slow_read(url: str, t0: float, rng: random.Random, *, chunk: int = 256,
                     every_s: float = 0.1, timeout_s: float = 120) -> Result:
     """One streamed request read through a 4 KiB receive buffer, ``chunk`` bytes
@@ -212,8 +225,8 @@ async def slow_read(url: str, t0: float, rng: random.Random, *, chunk: int = 256
     head_end = raw.find(b"\r\n\r\n")
     status = int(raw.split(b" ", 2)[1]) if raw.startswith(b"HTTP/1.1 ") else 0
     payload_in = raw[head_end + 4:]
-    if status == 200:  # chunked: each SSE event is one chunk, so events stay whole
-        kind, detail = classify(200, payload_in.replace(b"\r\n", b"\n"), True)
+    if status == 200:
+        kind, detail = classify(200, dechunk(payload_in), True)
     else:
         kind, detail = ("lost", "no HTTP status") if not status else ("failed_cleanly", "")
     return Result(time.monotonic() - t0, kind, status, trace_id, "slow reader " + detail)
