@@ -13,7 +13,9 @@ at a time (default 32).
 Invariants, per request (:func:`check`): no 5xx other than load shedding
 (``server_errors``); every error an OpenAI error object; a stream ends with
 ``[DONE]`` or an error event. After the run, once idle: nothing left held
-(``leaked_slots``: the sum of :func:`loadtest.harness.leftovers`); and for every
+(``leaked_slots``: the sum of :func:`loadtest.harness.leftovers` after the last
+batch; every ``--batch`` requests the run waits for idle and checks, naming the
+batch that leaked on stderr); and for every
 request the gateway reserved tokens for, the tokens it settled did not exceed the
 reservation (``overshoot_tokens``: Σ max(0, input + output − reserved), from the
 gateway's spans, :class:`loadtest.harness.TraceSink`).
@@ -331,9 +333,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     async with sem:
                         answers.append((r, await send(session, gw.url, r)))
 
-                await asyncio.gather(*(one(r) for r in reqs))
+                left: dict[str, float] = {}
+                for start in range(0, len(reqs), args.batch):
+                    await asyncio.gather(*(one(r) for r in reqs[start:start + args.batch]))
+                    left = await settled(session, gw.url, gw.engine_urls(), timeout_s=10)
+                    if left:
+                        print(f"after requests {start}-{start + args.batch - 1}: left held "
+                              f"{left}", file=sys.stderr)
                 wall = time.monotonic() - t0
-                left = await settled(session, gw.url, gw.engine_urls(), timeout_s=10)
                 missing = await sink.wait_for([a.trace_id for _, a in answers], timeout_s=15)
     finally:
         await sink.stop()
@@ -372,6 +379,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--json", required=True, help="report path")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight")
+    p.add_argument("--batch", type=int, default=250,
+                   help="requests between two leftover checks (the gateway idle)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speed", type=float, default=50.0, help="simulator speed factor")
     p.add_argument("--examples", type=int, default=20, help="failing examples printed")

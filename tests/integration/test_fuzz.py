@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from loadtest.fuzz import FuzzRequest, describe, requests, send, stand_config
-from loadtest.harness import TRACE_ENV, TraceSink, settled
+from loadtest.harness import TRACE_ENV, TraceSink, leftovers, new_trace, settled
 from loadtest.launch import gateway
 
 pytestmark = pytest.mark.timeout(600)
@@ -81,3 +81,29 @@ def test_fuzzed_requests_keep_the_invariants(stand, req: FuzzRequest) -> None:
         t = s.sink.traces[ans.trace_id]
         assert t.overshoot == 0, (f"reserved {t.reserved} < input {t.input_tokens} + "
                                   f"output {t.output_tokens}: " + describe(req, ans))
+
+
+def test_leftovers_see_an_open_request(stand) -> None:
+    """The leak check can fail: while a stream is open it reports the engine lease
+    and the engine's running request; once the stream ends, nothing."""
+    s, gw = stand
+
+    async def scenario() -> tuple[dict, dict, Any]:
+        body = {"model": "sim-model", "max_tokens": 400, "stream": True,
+                "messages": [{"role": "user", "content": "count slowly"}]}
+        trace_id, tp = new_trace()
+        async with s.session.post(gw.url + "/v1/chat/completions", json=body,
+                                  headers={"Authorization": "Bearer harness-metered", **tp}) as r:
+            assert r.status == 200
+            await r.content.readany()
+            during = await leftovers(s.session, gw.url, gw.engine_urls(), None)
+            await r.read()
+        after = await settled(s.session, gw.url, gw.engine_urls(), timeout_s=3)
+        assert not await s.sink.wait_for([trace_id])
+        return during, after, s.sink.traces[trace_id]
+
+    during, after, traced = s.run(scenario())
+    assert during.get("sluice_engine_requests_in_flight") == 1, during
+    assert sum(v for k, v in during.items() if k.endswith("vllm:num_requests_running")) == 1
+    assert after == {}
+    assert traced.reserved is not None and traced.output_tokens == 400, traced
