@@ -66,7 +66,7 @@ def stand(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stand, Any
         s.close()
 
 
-@settings(max_examples=250, deadline=None, database=None,
+@settings(max_examples=600, deadline=None, database=None,  # ~60 s when all pass
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(req=requests())
