@@ -200,11 +200,15 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class ResponseShape:
-    """Builds one request's chunks and final body (``id`` and ``created`` fixed)."""
+    """Builds one request's chunks and final body (``id`` and ``created`` fixed).
+    ``request_id``: the client's ``X-Request-Id``, which vLLM makes the response id
+    (``chatcmpl-<id>`` / ``cmpl-<id>``); None draws a random one."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, request_id: str | None = None) -> None:
         self.chat, self.model = chat, model
-        self.id, self.created = new_id(chat), int(time.time())
+        self.id = new_id(chat) if request_id is None else \
+            f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.created = int(time.time())
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -231,7 +235,10 @@ class ResponseShape:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return sse({**self._head(obj), "choices": [], "usage": usage(prompt, completion)})
 
-    def full(self, text: str, prompt: int, completion: int) -> bytes:
+    def full(self, text: str, prompt: int, completion: int,
+             extra: dict[str, Any] | None = None) -> bytes:
+        """The non-streamed body; ``extra`` adds top-level fields
+        (``kv_transfer_params``)."""
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text,
                                               "tool_calls": []},
@@ -242,4 +249,4 @@ class ResponseShape:
                       "stop_reason": None}
             obj = "text_completion"
         return dumps({**self._head(obj), "choices": [choice],
-                      "usage": usage(prompt, completion)})
+                      "usage": usage(prompt, completion), **(extra or {})})
