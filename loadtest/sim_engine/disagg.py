@@ -267,9 +267,14 @@ def _num_remote_blocks(ids: Any) -> int | None:
     return None
 
 
-async def handle_read(request: web.Request, connector: SimConnector) -> web.Response:
+#: The app's connector (``loadtest.sim_engine.server.create_app``).
+CONNECTOR = web.AppKey("sim_connector", SimConnector)
+
+
+async def handle_read(request: web.Request) -> web.Response:
     """``POST /sim/nixl/read {"remote_request_id", "remote_engine_id"}`` →
     ``{"num_blocks": N}``, or 404 when the blocks are gone."""
+    connector = request.app[CONNECTOR]
     try:
         body = await request.json()
         n = connector.read(str(body["remote_request_id"]), str(body["remote_engine_id"]))

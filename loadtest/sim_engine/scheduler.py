@@ -120,6 +120,7 @@ class Counters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0  # preemption events
+    external_kv_tokens: int = 0  # prompt tokens loaded by a KV connector
 
 
 class Scheduler:
@@ -233,6 +234,7 @@ class Scheduler:
             req.blocks = hits + new_blocks
             req.num_registered_blocks = len(hits)
             req.num_computed_tokens = computed
+            self.counters.external_kv_tokens += computed - num_hit
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit
                 self.counters.prefix_cache_queries += req.num_tokens

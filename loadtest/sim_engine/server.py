@@ -24,7 +24,14 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from engines.blocks import chain_block_hashes, fallback_tokenize
-from loadtest.sim_engine.disagg import READ_PATH, KVLoadFailed, SimConnector, engine_request_id, handle_read
+from loadtest.sim_engine.disagg import (
+    CONNECTOR,
+    READ_PATH,
+    KVLoadFailed,
+    SimConnector,
+    engine_request_id,
+    handle_read,
+)
 from loadtest.sim_engine.engine import SimEngine
 from loadtest.sim_engine.protocol import (
     SSE_DONE,
@@ -40,7 +47,6 @@ from loadtest.sim_engine.protocol import (
 from loadtest.sim_engine.scheduler import SimRequest, Status
 
 ENGINE = web.AppKey("sim_engine", SimEngine)
-CONNECTOR = web.AppKey("sim_connector", SimConnector)
 
 #: Prompts longer than this (characters or token ids) are tokenised and hashed in
 #: a worker thread so the event loop keeps serving streams meanwhile (~8 MB/s).
@@ -56,7 +62,7 @@ def create_app(engine: SimEngine, connector: SimConnector | None = None) -> web.
     app[ENGINE] = engine
     if connector is not None:
         app[CONNECTOR] = connector
-        app.router.add_post(READ_PATH, lambda r: handle_read(r, connector))
+        app.router.add_post(READ_PATH, handle_read)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/health", _health)
