@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -24,6 +26,7 @@ from config.schema import Config, DegradationConfig, TenantQuota
 from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, PromptInput, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
+from gateway.disagg import Disaggregator, PrefillLeg, role, serves_whole
 from gateway.keys import RECORD, TENANT
 from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_request
 from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
@@ -42,15 +45,24 @@ STREAM_LOSSY = frozenset({"logprobs", "top_logprobs", "tools", "functions"})
 #: Retry-After, s, when no engine serving the model is ready (engines restart with
 #: backoff starting at 1 s; a few seconds is the honest order of magnitude).
 NO_ENGINE_RETRY_S = 5
+#: Response header naming a split request's prefill engine (``x-sluice-engine``
+#: names the decode engine that streamed the answer).
+PREFILL_ENGINE_HEADER = "x-sluice-prefill-engine"
 
 
 @dataclass
 class Placement:
-    """An engine lease taken for one request: ``blocks`` promised KV blocks."""
+    """An engine lease taken for one request: ``blocks`` promised KV blocks. A split
+    request (``gateway.disagg``) also holds a lease on its ``prefill`` engine
+    (``prefill_blocks``) until its prefill leg ends; ``uncached`` is the prompt
+    tokens the first engine is predicted to compute."""
 
     engine: Engine
     blocks: int
     scores: dict[str, float]
+    prefill: Engine | None = None
+    prefill_blocks: int = 0
+    uncached: int = 0
 
 
 def _request_timeout(request: web.Request) -> float | None:
@@ -106,6 +118,10 @@ class Director:
                         and all(s.accepts_cache_salt for s in cfg.engines.engines if s.model == m)}
         self.default_output_tokens = cfg.gateway.default_output_tokens
         self._background: set[asyncio.Task[object]] = set()
+        #: prefill–decode disaggregation, for models with prefill engines
+        self.disagg = Disaggregator(cfg.engines.disaggregation)
+        self.prefill_leg = PrefillLeg(client, self.disagg.speed)
+        self._split_models = {s.model for s in cfg.engines.engines if s.role == "prefill"}
 
     # ------------------------------------------------------------------ checks
 
@@ -145,10 +161,16 @@ class Director:
     # ------------------------------------------------------------------ placement
 
     def _candidates(self, req: InferenceRequest, tenant: TenantQuota,
-                    exclude: frozenset[str] = frozenset()) -> list[Engine]:
-        now, tokens = time.monotonic(), self._tokens(req)
+                    exclude: frozenset[str] = frozenset(), *,
+                    prefill: bool = False) -> list[Engine]:
+        """Engines that may take ``req`` now: whole requests and decode legs go to
+        engines of role ``decode`` or ``both``; ``prefill`` legs (the prompt only) to
+        engines of role ``prefill``."""
+        now = time.monotonic()
+        tokens = req.prompt_tokens if prefill else self._tokens(req)
         return [e for e in self.pool.for_model(req.model)
                 if e.routable and e.id not in exclude
+                and (role(e) == "prefill" if prefill else serves_whole(e))
                 and self.detector.admits(e, tenant.priority, tokens, now)]
 
     async def _sched_request(self, request: web.Request, req: InferenceRequest,
@@ -169,6 +191,8 @@ class Director:
         if not candidates:
             return None
         now = time.monotonic()
+        if req.model in self._split_models and not exclude:
+            return self._place_split(req, tenant, sreq, candidates, now)
         decision = self.scheduler.pick(sreq, candidates, now)
         if decision is None:
             return None
@@ -177,8 +201,101 @@ class Director:
         self.scheduler.record(sreq, decision.engine, now)
         return Placement(decision.engine, blocks, decision.scores)
 
+    def _place_split(self, req: InferenceRequest, tenant: TenantQuota, sreq: SchedRequest,
+                     candidates: list[Engine], now: float) -> Placement | None:
+        """The disaggregation choice (``gateway.disagg``) for a model with prefill
+        engines: leases on the decode engine and, when split, the prefill engine."""
+        prefill = self._candidates(req, tenant, prefill=True)
+        bs = sreq.block_size
+        cached = {e.id: self.scheduler.index.match(e, sreq.blocks, now) * bs
+                  for e in (*candidates, *prefill)} if sreq.blocks and bs else {}
+        choice = self.disagg.choose(req.prompt_tokens, cached, candidates, prefill)
+        if choice is None:
+            return None
+        blocks = kv_blocks(self._tokens(req), choice.decode.block_size)
+        self.pool.acquire(choice.decode, blocks)
+        self.scheduler.record(sreq, choice.decode, now)
+        scores = {"pd_split": float(choice.prefill is not None),
+                  "pd_predicted_ttft_ms": choice.ttft_s * 1000}
+        placement = Placement(choice.decode, blocks, scores, uncached=choice.uncached)
+        if choice.prefill is not None:
+            self._lease_prefill(placement, choice.prefill, req, sreq, now)
+        return placement
+
+    def _lease_prefill(self, placement: Placement, engine: Engine, req: InferenceRequest,
+                       sreq: SchedRequest, now: float) -> None:
+        placement.prefill = engine
+        placement.prefill_blocks = kv_blocks(req.prompt_tokens, engine.block_size)
+        self.pool.acquire(engine, placement.prefill_blocks)
+        self.scheduler.record(sreq, engine, now)
+
+    @contextmanager
+    def _prefill_tracking(self, req: InferenceRequest,
+                          placement: Placement) -> Iterator[Callable[[], None] | None]:
+        """For a whole request of a split model: count its prompt as queued on its
+        engine until the first token (the prediction's prefill queue); yields the
+        first-token callback, or None when there is nothing to track."""
+        if req.model not in self._split_models or "kv_transfer_params" in req.body:
+            yield None
+            return
+        speed, engine, tokens = self.disagg.speed, placement.engine, placement.uncached
+        ahead, t0 = speed.start(engine, tokens), time.perf_counter()
+        done = False
+
+        def first_token() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                speed.done(engine, tokens, ahead, time.perf_counter() - t0)
+
+        try:
+            yield first_token
+        finally:
+            if not done:
+                speed.done(engine, tokens, ahead, None)
+
+    def _release_prefill(self, placement: Placement) -> None:
+        """Release the prefill lease (idempotent)."""
+        if placement.prefill is not None:
+            self.pool.release(placement.prefill, placement.prefill_blocks)
+            placement.prefill = None
+
     def _release(self, placement: Placement) -> None:
+        self._release_prefill(placement)
         self.pool.release(placement.engine, placement.blocks)
+
+    async def _prefill(self, request: web.Request, req: InferenceRequest, tenant: TenantQuota,
+                       sreq: SchedRequest, placement: Placement) -> InferenceRequest:
+        """Run a split request's prefill leg, retried on other prefill engines
+        (``gateway.retry_attempts`` in all) before giving up; returns the decode
+        leg's request (the client's, without transfer parameters, when every prefill
+        failed: the decode engine then prefills itself). The prefill lease is
+        released when this returns or raises."""
+        tried: set[str] = set()
+        while placement.prefill is not None:
+            engine = placement.prefill
+            try:
+                with self.spans("upstream.prefill", kind=SpanKind.CLIENT) as span:
+                    span.set_attribute("sluice.engine", engine.id)
+                    upstream = {"x-request-id": request[RECORD].request_id}
+                    if self.spans.enabled:
+                        inject_traceparent(upstream)
+                    return await self.prefill_leg.send(engine, req, request, upstream,
+                                                       placement.uncached)
+            except UpstreamFailed as failed:
+                if failed.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
+                    engine.upstream_failures += 1
+                tried.add(engine.id)
+                self._release_prefill(placement)
+                if failed.retryable and len(tried) < self.cfg.gateway.retry_attempts:
+                    nxt = self._candidates(req, tenant, frozenset(tried), prefill=True)
+                    if nxt:
+                        best = min(nxt, key=self.disagg.speed.wait_s)
+                        self._lease_prefill(placement, best, req, sreq, time.monotonic())
+            finally:
+                if placement.prefill is engine:
+                    self._release_prefill(placement)
+        return req
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
         return Rejected(Outcome.NO_ENGINE,
@@ -349,6 +466,14 @@ class Director:
                                               self._release)
             finally:
                 rec.queue_s = time.perf_counter() - waited_from
+        split_from, prefill_engine = time.perf_counter(), placement.prefill
+        if prefill_engine is not None:
+            try:
+                req = await self._prefill(request, req, tenant, sreq, placement)
+            except BaseException:
+                self._release(placement)
+                raise
+        prefill_s = time.perf_counter() - split_from if prefill_engine is not None else 0.0
         tried: set[str] = set()
         while True:
             rec.engine, rec.scores = placement.engine.id, placement.scores
@@ -360,16 +485,20 @@ class Director:
                        "x-sluice-queue-ms": f"{rec.queue_s * 1000:.1f}", "x-sluice-cache": rec.cache}
             if rec.degraded:
                 headers[DEGRADED_HEADER] = ", ".join(rec.degraded)
+            if prefill_engine is not None:
+                headers[PREFILL_ENGINE_HEADER] = prefill_engine.id
             try:
                 with self.spans("upstream", kind=SpanKind.CLIENT) as span:
                     span.set_attribute("sluice.engine", placement.engine.id)
                     upstream = {"x-request-id": rec.request_id}
                     if self.spans.enabled:
                         inject_traceparent(upstream)
-                    result = await self.client.send(placement.engine, req, request, headers,
-                                                    upstream)
+                    with self._prefill_tracking(req, placement) as first_token:
+                        result = await self.client.send(placement.engine, req, request,
+                                                        headers, upstream, first_token)
                 placement.engine.upstream_failures = 0
-                rec.outcome, rec.ttft_s = result.outcome, result.ttft_s
+                rec.outcome = result.outcome
+                rec.ttft_s = None if result.ttft_s is None else prefill_s + result.ttft_s
                 rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens
                 rec.finish_reasons = result.finish_reasons
                 return result

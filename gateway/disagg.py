@@ -44,12 +44,17 @@ speeds), not a learned latency model.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from aiohttp import web
 
 from config.schema import DisaggregationConfig
 from engines.pool import Engine
+from gateway.openai_api import InferenceRequest
+from gateway.proxy import EngineClient
 
 #: ``kv_transfer_params`` of the prefill leg, as vLLM's proxy sends them.
 PREFILL_PARAMS: Mapping[str, Any] = {
@@ -211,3 +216,40 @@ class Disaggregator:
                 ttft = (self.speed.wait_s(p) + uncached_p * self.speed.c(p) + moved_s + wait_d)
                 offer(Choice(d, p, ttft, uncached_p))
         return best[2] if best is not None else None
+
+
+class PrefillLeg:
+    """Sends prefill legs and keeps :class:`PrefillSpeed` up to date.
+
+    Args:
+        client: the gateway's engine client (``gateway.proxy.EngineClient``).
+        speed: the estimates the choice reads.
+    """
+
+    def __init__(self, client: EngineClient, speed: PrefillSpeed) -> None:
+        self.client = client
+        self.speed = speed
+
+    async def send(self, engine: Engine, req: InferenceRequest, request: web.Request,
+                   upstream_headers: Mapping[str, str], uncached: int) -> InferenceRequest:
+        """Run ``req``'s prefill leg on ``engine``; returns the decode leg's request
+        (the client's body plus the returned ``kv_transfer_params``; without them
+        when the engine returned none, so the decode engine prefills itself).
+
+        Raises:
+            UpstreamFailed: the leg failed (retry it on another prefill engine).
+            Rejected: the engine rejected the request (4xx).
+            asyncio.CancelledError: the client went away; the leg's connection is
+                closed, which aborts it on the engine.
+        """
+        leg = replace(req, body=prefill_body(req.body), stream=False, client_usage=False,
+                      max_output_tokens=1)
+        ahead = self.speed.start(engine, uncached)
+        t0, elapsed = time.perf_counter(), None
+        try:
+            result = await self.client.send(engine, leg, request, {}, upstream_headers)
+            elapsed = time.perf_counter() - t0
+        finally:
+            self.speed.done(engine, uncached, ahead, elapsed)
+        params = (result.answer or {}).get("kv_transfer_params")
+        return replace(req, body=decode_body(req.body, params if isinstance(params, dict) else None))
