@@ -265,12 +265,13 @@ class Director:
         self.pool.release(placement.engine, placement.blocks)
 
     async def _prefill(self, request: web.Request, req: InferenceRequest, tenant: TenantQuota,
-                       sreq: SchedRequest, placement: Placement) -> InferenceRequest:
+                       sreq: SchedRequest,
+                       placement: Placement) -> tuple[InferenceRequest, Engine | None]:
         """Run a split request's prefill leg, retried on other prefill engines
-        (``gateway.retry_attempts`` in all) before giving up; returns the decode
-        leg's request (the client's, without transfer parameters, when every prefill
-        failed: the decode engine then prefills itself). The prefill lease is
-        released when this returns or raises."""
+        (``gateway.retry_attempts`` in all) before giving up. Returns the decode
+        leg's request and the engine that prefilled — or the client's request and
+        None when every prefill failed: the decode engine then prefills itself. The
+        prefill lease is released when this returns or raises."""
         tried: set[str] = set()
         while placement.prefill is not None:
             engine = placement.prefill
@@ -280,8 +281,9 @@ class Director:
                     upstream = {"x-request-id": request[RECORD].request_id}
                     if self.spans.enabled:
                         inject_traceparent(upstream)
-                    return await self.prefill_leg.send(engine, req, request, upstream,
-                                                       placement.uncached)
+                    leg = await self.prefill_leg.send(engine, req, request, upstream,
+                                                      placement.uncached)
+                    return leg, engine
             except UpstreamFailed as failed:
                 if failed.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
                     engine.upstream_failures += 1
@@ -295,7 +297,7 @@ class Director:
             finally:
                 if placement.prefill is engine:
                     self._release_prefill(placement)
-        return req
+        return req, None
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
         return Rejected(Outcome.NO_ENGINE,
@@ -466,10 +468,10 @@ class Director:
                                               self._release)
             finally:
                 rec.queue_s = time.perf_counter() - waited_from
-        split_from, prefill_engine = time.perf_counter(), placement.prefill
-        if prefill_engine is not None:
+        split_from, prefill_engine = time.perf_counter(), None
+        if placement.prefill is not None:
             try:
-                req = await self._prefill(request, req, tenant, sreq, placement)
+                req, prefill_engine = await self._prefill(request, req, tenant, sreq, placement)
             except BaseException:
                 self._release(placement)
                 raise
