@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
