@@ -28,6 +28,7 @@ class Result:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     engine: str | None = None
+    prefill_engine: str | None = None
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,15 @@ class EngineSample:
 
 @dataclass
 class EngineStats:
+    """One engine over a run: prefix-cache counters and KV transfers it read
+    (``vllm:nixl_xfer_time_seconds_count``, ``vllm:nixl_bytes_transferred_sum``)
+    as deltas, and its load samples."""
+
     url: str
     queries_delta: float = 0.0
     hits_delta: float = 0.0
+    transfers_delta: float = 0.0
+    transfer_bytes_delta: float = 0.0
     samples: list[EngineSample] = field(default_factory=list)
 
 
@@ -95,6 +102,9 @@ def summarize(results: list[Result], engines: list[EngineStats], slo: Slo,
                                    if e.samples else None)} for e in engines],
         "load_max_over_mean": (max(loads) / float(np.mean(loads))
                                if loads and np.mean(loads) > 0 else None),
+        "split_fraction": (sum(1 for r in ok if r.prefill_engine) / len(ok)) if ok else 0.0,
+        "kv_transfers": sum(e.transfers_delta for e in engines),
+        "kv_bytes_moved": sum(e.transfer_bytes_delta for e in engines),
     }
 
 
