@@ -360,6 +360,8 @@ class DisaggregationConfig(_Strict):
     decode engine instead when that is sooner and stalls that engine's running
     streams by at most ``max_decode_stall_ms``; ``threshold`` splits every prompt of
     at least ``threshold_tokens`` tokens (the fixed threshold, the baseline).
+    ``max_decode_stall_ms`` bounds the prefill backlog a busy decode engine may take
+    on, hence the longest inter-token gap its streams see from local prefills.
     ``kv_bytes_per_token`` (2 × layers × KV heads × head dim × dtype bytes) and
     ``transfer_gbps`` give the predicted transfer time (None: not counted).
     ``prefill_tokens_per_s`` is each engine's prefill speed until the gateway has
@@ -369,7 +371,7 @@ class DisaggregationConfig(_Strict):
     policy: Literal["predicted", "threshold"] = "predicted"
     threshold_tokens: int = Field(512, ge=1, description="split prompts this long, tokens")
     max_decode_stall_ms: float = Field(
-        50.0, ge=0, description="longest predicted local prefill on a busy decode engine, ms")
+        200.0, ge=0, description="largest predicted prefill backlog on a busy decode engine, ms")
     kv_bytes_per_token: int | None = Field(None, ge=1, description="bytes of KV per token")
     transfer_gbps: float = Field(100.0, gt=0, description="KV transfer bandwidth, Gbit/s")
     prefill_tokens_per_s: float = Field(

@@ -30,11 +30,14 @@ where ``uncached(e)`` is the prompt less the leading blocks the prefix index say
 that have not produced their first token yet (the prefill queue), ``c(e)`` the
 engine's observed seconds per prefill token (:class:`PrefillSpeed`), and transfer
 time ``tokens × kv_bytes_per_token × 8 / (transfer_gbps × 10⁹)``. The TPOT side is a
-constraint: a local prefill stalls the streams decoding on d by ``uncached(d) ×
-c(d)``, allowed only while d has no stream of this gateway in flight or the stall
-is at most ``max_decode_stall_ms``. The sooner allowed option wins (ties: the
-decode engine with fewer requests in flight), so a short prompt, or one already
-cached on a decode engine, skips the prefill leg. The ``threshold`` policy splits
+constraint: prefills on a decode engine stall the streams decoding there for as long
+as its prefill backlog lasts, so a local prefill is allowed only while d has no
+request of this gateway in flight, or its backlog including this prompt,
+``wait(d) + uncached(d) × c(d)``, is at most ``max_decode_stall_ms``. The sooner
+allowed option wins (ties: the decode engine with fewer requests in flight), so a
+short prompt, or one already cached on a decode engine, skips the prefill leg, and a
+burst that queues on the prefill engines spills onto decode engines within the
+stall budget. The ``threshold`` policy splits
 exactly the prompts of at least ``threshold_tokens`` (estimated) tokens over the
 same pair the prediction would choose.
 
@@ -201,7 +204,8 @@ class Disaggregator:
             wait_d = self.speed.wait_s(d)
             uncached_d = max(1, prompt_tokens - cached.get(d.id, 0))
             local_s = uncached_d * self.speed.c(d)
-            may_local = (self.cfg.policy == "predicted" and (d.in_flight == 0 or local_s <= stall_s)
+            may_local = (self.cfg.policy == "predicted"
+                         and (d.in_flight == 0 or wait_d + local_s <= stall_s)
                          or self.cfg.policy == "threshold" and not split_wanted
                          or not prefill)
             if may_local:

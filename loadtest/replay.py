@@ -325,14 +325,15 @@ def _pd(text: str) -> tuple[int, int]:
 
 #: Replay settings per workload, used where the command line gives none.
 #: azure-code (Azure 2023 code trace: prompts of 2,139 tokens on average, 26 output
-#: tokens) on h200-llama3-8b engines: the trace's 600 first requests arrive at about
-#: 2.3 req/s; --time-scale 0.1 at --sim-speed 1 replays them 10x faster in simulated
-#: time (~23 req/s, ~49k prompt tokens/s against ~31k tokens/s of prefill per
-#: engine), where four aggregated engines spend ~40 % of their steps in prefill and
-#: those long prefill chunks stretch the decode steps of every stream batched with
-#: them (what disaggregation removes).
+#: tokens) on h200-llama3-8b engines (~31k prefill tokens/s each): --time-scale 0.2 at
+#: --sim-speed 1 replays the 600 first requests 5x faster in simulated time, 600
+#: requests in 52 s, 24.5k prompt tokens/s on average (a fifth of four engines'
+#: prefill capacity) but in bursts: the busiest tenth of 1-s windows bring over 73k
+#: tokens/s and the busiest 246k. Four aggregated engines then run near capacity:
+#: TTFT p90 at the 2 s SLO and long prefill chunks stretching the decode steps of the
+#: streams batched with them (TPOT p90 far past 100 ms), what disaggregation removes.
 WORKLOAD_DEFAULTS: dict[str, dict[str, float]] = {
-    "azure-code": {"time_scale": 0.1, "sim_speed": 1.0},
+    "azure-code": {"time_scale": 0.2, "sim_speed": 1.0},
 }
 
 

@@ -112,3 +112,13 @@ def test_launch_commands_carry_the_role_and_connector():
         "kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
     plain = sim_command(EngineSpec(name="c", model="m", kind="sim"), "127.0.0.1", 9000, None)
     assert "--kv-connector" not in plain and "--role" not in plain
+
+
+def test_a_busy_decode_engine_takes_local_prefills_only_within_its_backlog_budget():
+    cfg = DisaggregationConfig(max_decode_stall_ms=200, prefill_tokens_per_s=10_000)
+    d = Disaggregator(cfg)
+    p, busy = eng("p", "prefill"), eng("d", "decode", in_flight=1)
+    d.speed.start(p, 50_000)  # the prefill engine is 5 s behind
+    assert d.choose(1500, {}, [busy], [p]).prefill is None  # 150 ms backlog: local
+    d.speed.start(busy, 1000)  # 100 ms of prefill already queued on the decode engine
+    assert d.choose(1500, {}, [busy], [p]).prefill is p  # 250 ms > 200 ms: split
