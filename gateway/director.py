@@ -3,18 +3,15 @@ cache lookup → rate limit → admission (queue, degradation, shedding) → sch
 proxy (retrying on another engine only before the first byte) → finish.
 
 Everything a request acquires (rate-limit reservation, concurrency slot, engine lease
-and its promised KV blocks) is released in ``finally``, exactly once, whether it ends
-in success, error, timeout or client disconnect.
+and its promised KV blocks) is held by an ``async with`` and released exactly once,
+whether it ends in success, error, timeout or client disconnect. Engine choice and
+leases live in :mod:`gateway.placement`; this module orchestrates.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 
 from aiohttp import web
 from opentelemetry.trace import SpanKind
@@ -26,17 +23,19 @@ from config.schema import Config, DegradationConfig, TenantQuota
 from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, PromptInput, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
-from gateway.disagg import Disaggregator, PrefillLeg, role, serves_whole
+from gateway.disagg import Disaggregator, PrefillLeg
 from gateway.keys import RECORD, TENANT
 from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_request
+from gateway.placement import Need, Placement, Placer
 from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
 from gateway.record import RequestRecord
 from gateway.tracing import Spans, inject_traceparent
 from limits.admission import AdmissionQueue
-from limits.degrade import DEGRADED_HEADER, degrade
+from limits.degrade import DEGRADED_HEADER, ladder, shed
+from limits.interfaces import Clock
 from limits.outcome import Outcome, Rejected
-from limits.rate_limit import RateLimiter, Reservation
-from limits.saturation import SaturationDetector, kv_blocks
+from limits.rate_limit import RateLimiter, Reservation, Sizing, reservation_size
+from limits.saturation import SaturationDetector
 
 #: Request fields whose output a streamed answer, reassembled, would not keep
 #: (``StreamSummary.to_response`` rebuilds text only): such answers are not cached.
@@ -46,23 +45,8 @@ STREAM_LOSSY = frozenset({"logprobs", "top_logprobs", "tools", "functions"})
 #: backoff starting at 1 s; a few seconds is the honest order of magnitude).
 NO_ENGINE_RETRY_S = 5
 #: Response header naming a split request's prefill engine (``x-sluice-engine``
-#: names the decode engine that streamed the answer).
+#: names the engine that streamed the answer).
 PREFILL_ENGINE_HEADER = "x-sluice-prefill-engine"
-
-
-@dataclass
-class Placement:
-    """An engine lease taken for one request: ``blocks`` promised KV blocks. A split
-    request (``gateway.disagg``) also holds a lease on its ``prefill`` engine
-    (``prefill_blocks``) until its prefill leg ends; ``uncached`` is the prompt
-    tokens the first engine is predicted to compute."""
-
-    engine: Engine
-    blocks: int
-    scores: dict[str, float]
-    prefill: Engine | None = None
-    prefill_blocks: int = 0
-    uncached: int = 0
 
 
 def _request_timeout(request: web.Request) -> float | None:
@@ -86,42 +70,52 @@ def _cache_control(request: web.Request) -> tuple[bool, bool]:
 
 
 class Director:
-    """Runs requests through the pipeline; one per app.
+    """Runs requests through the pipeline; one per app. Keyword-only.
 
     Args:
+        cfg: the whole configuration.
+        pool: the engines.
+        scheduler: engine choice (routing state, plugins).
+        client: the upstream call.
+        limiter: per-tenant rate limits and concurrency.
         queues: one admission queue per served model.
+        detector: whether an engine has room (saturation).
         cache: the response cache, or None when disabled.
-        default_output_tokens: output tokens reserved for a request that sets no cap.
+        clock: monotonic time, s; the only clock the request path reads.
+        spans: tracing (disabled when None).
+        prompts: tokenizer and block hashes per model (built from ``cfg`` when None).
     """
 
-    def __init__(self, cfg: Config, pool: EnginePool, scheduler: Scheduler,
+    def __init__(self, *, cfg: Config, pool: EnginePool, scheduler: Scheduler,
                  client: EngineClient, limiter: RateLimiter,
                  queues: dict[str, AdmissionQueue[Placement]], detector: SaturationDetector,
-                 cache: ResponseCache | None, spans: Spans | None = None) -> None:
+                 cache: ResponseCache | None, clock: Clock, spans: Spans | None = None,
+                 prompts: PromptBlocks | None = None) -> None:
         self.cfg = cfg
         self.pool = pool
-        self.scheduler = scheduler
         self.client = client
         self.limiter = limiter
         self.queues = queues
-        self.detector = detector
         self.cache = cache
+        self.clock = clock
+        #: prefill–decode disaggregation, for models with prefill engines
+        self.split_models = frozenset(s.model for s in cfg.engines.engines if s.role == "prefill")
+        disagg = Disaggregator(cfg.engines.disaggregation)
+        self.placer = Placer(pool=pool, scheduler=scheduler, detector=detector, clock=clock,
+                             disagg=disagg, split_models=self.split_models)
         #: each served model's degradation ladder (model_settings builds a pydantic
         #: object per call, too costly per request)
         self._degradation: dict[str, DegradationConfig] = {
             m: cfg.engines.model_settings(m).degradation for m in queues}
         self.spans = spans or Spans(None)
-        self.prompts = PromptBlocks(cfg.engines, pool)
+        self.prefill_leg = PrefillLeg(client, disagg.speed, self.spans)
+        self.prompts = prompts or PromptBlocks(cfg.engines, pool)
         #: models whose every engine accepts vLLM's ``cache_salt``
         self._salted = {m for m in cfg.engines.model_names()
                         if cfg.engines.scheduler.prefix.cache_salt
                         and all(s.accepts_cache_salt for s in cfg.engines.engines if s.model == m)}
         self.default_output_tokens = cfg.gateway.default_output_tokens
         self._background: set[asyncio.Task[object]] = set()
-        #: prefill–decode disaggregation, for models with prefill engines
-        self.disagg = Disaggregator(cfg.engines.disaggregation)
-        self.prefill_leg = PrefillLeg(client, self.disagg.speed)
-        self._split_models = {s.model for s in cfg.engines.engines if s.role == "prefill"}
 
     # ------------------------------------------------------------------ checks
 
@@ -136,168 +130,54 @@ class Director:
 
     def _apply_tenant_caps(self, tenant: TenantQuota, req: InferenceRequest) -> None:
         if tenant.max_prompt_tokens is not None and req.prompt_tokens > tenant.max_prompt_tokens:
+            about = "" if req.prompt_exact else "about "
             raise Rejected(
                 Outcome.CONTEXT_LENGTH_EXCEEDED,
-                f"This request's prompt is about {req.prompt_tokens} tokens; your limit is "
+                f"This request's prompt is {about}{req.prompt_tokens} tokens; your limit is "
                 f"{tenant.max_prompt_tokens} tokens.",
-                param="messages" if req.endpoint == "chat" else "prompt",
+                param=req.prompt_param,
             )
         cap = tenant.max_output_tokens
         if cap is None:
             return
-        if req.max_output_tokens is None:
+        asked = req.max_output_tokens
+        if asked is None:
             req.set_output_cap(cap)
-        elif req.max_output_tokens > cap:
+        elif asked > cap:
             raise Rejected(
                 Outcome.INVALID_REQUEST,
-                f"'{req.output_field}' is {req.max_output_tokens}; your limit is {cap} tokens.",
+                f"'{req.output_field}' is {asked}; your limit is {cap} tokens.",
                 param=req.output_field,
             )
 
-    def _tokens(self, req: InferenceRequest) -> int:
-        """Tokens reserved for ``req``: prompt estimate + output cap (or default)."""
-        return req.prompt_tokens + (req.max_output_tokens or self.default_output_tokens)
+    def _kv_tokens(self, req: InferenceRequest) -> int:
+        """KV-cache tokens ``req`` may occupy: prompt + output cap (or the default) ×
+        sequences; sizes the queue ticket, the KV-block lease and the context check."""
+        return req.prompt_tokens + (req.max_output_tokens or self.default_output_tokens) \
+            * req.sequences
+
+    def _sizing(self, tenant: TenantQuota, req: InferenceRequest) -> Sizing:
+        return reservation_size(
+            tenant, prompt_tokens=req.prompt_tokens, output_cap=req.max_output_tokens,
+            sequences=req.sequences, default_output_tokens=self.default_output_tokens,
+            output_param=req.output_field, prompt_param=req.prompt_param)
+
+    async def _measure(self, req: InferenceRequest) -> None:
+        """Tokenize the prompt once (off the event loop for a real tokenizer): its
+        exact token count, where the model's tokenizer is known, and its blocks."""
+        salt = req.body.get("cache_salt") if req.model in self._salted else None
+        m = await self.prompts.measure(req.model, PromptInput.from_body(req.body), salt)
+        req.measured(m.tokens, m.blocks)
 
     # ------------------------------------------------------------------ placement
 
-    def _candidates(self, req: InferenceRequest, tenant: TenantQuota,
-                    exclude: frozenset[str] = frozenset(), *,
-                    prefill: bool = False) -> list[Engine]:
-        """Engines that may take ``req`` now: whole requests and decode legs go to
-        engines of role ``decode`` or ``both``; ``prefill`` legs (the prompt only) to
-        engines of role ``prefill``."""
-        now = time.monotonic()
-        tokens = req.prompt_tokens if prefill else self._tokens(req)
-        return [e for e in self.pool.for_model(req.model)
-                if e.routable and e.id not in exclude
-                and (role(e) == "prefill" if prefill else serves_whole(e))
-                and self.detector.admits(e, tenant.priority, tokens, now)]
-
-    async def _sched_request(self, request: web.Request, req: InferenceRequest,
-                             tenant: TenantQuota) -> SchedRequest:
-        """The scheduler's view of ``req``, prompt blocks computed once per request."""
-        salt = req.body.get("cache_salt") if req.model in self._salted else None
-        blocks = await self.prompts.blocks(req.model, PromptInput.from_body(req.body), salt)
-        return SchedRequest(model=req.model, tenant=tenant.name,
-                            prompt_tokens=req.prompt_tokens, priority=tenant.priority,
-                            blocks=blocks, block_size=self.prompts.block_size(req.model),
-                            session_id=request.headers.get("x-session-id") or None)
-
-    def _place(self, req: InferenceRequest, tenant: TenantQuota, sreq: SchedRequest,
-               exclude: frozenset[str] = frozenset()) -> Placement | None:
-        """Choose an engine with room and take its lease, or None (synchronous: the
-        admission queue calls it)."""
-        candidates = self._candidates(req, tenant, exclude)
-        if not candidates:
-            return None
-        now = time.monotonic()
-        if req.model in self._split_models and not exclude:
-            return self._place_split(req, tenant, sreq, candidates, now)
-        decision = self.scheduler.pick(sreq, candidates, now)
-        if decision is None:
-            return None
-        blocks = kv_blocks(self._tokens(req), decision.engine.block_size)
-        self.pool.acquire(decision.engine, blocks)
-        self.scheduler.record(sreq, decision.engine, now)
-        return Placement(decision.engine, blocks, decision.scores)
-
-    def _place_split(self, req: InferenceRequest, tenant: TenantQuota, sreq: SchedRequest,
-                     candidates: list[Engine], now: float) -> Placement | None:
-        """The disaggregation choice (``gateway.disagg``) for a model with prefill
-        engines: leases on the decode engine and, when split, the prefill engine."""
-        prefill = self._candidates(req, tenant, prefill=True)
-        bs = sreq.block_size
-        cached = {e.id: self.scheduler.index.match(e, sreq.blocks, now) * bs
-                  for e in (*candidates, *prefill)} if sreq.blocks and bs else {}
-        choice = self.disagg.choose(req.prompt_tokens, cached, candidates, prefill)
-        if choice is None:
-            return None
-        blocks = kv_blocks(self._tokens(req), choice.decode.block_size)
-        self.pool.acquire(choice.decode, blocks)
-        self.scheduler.record(sreq, choice.decode, now)
-        scores = {"pd_split": float(choice.prefill is not None),
-                  "pd_predicted_ttft_ms": choice.ttft_s * 1000}
-        placement = Placement(choice.decode, blocks, scores, uncached=choice.uncached)
-        if choice.prefill is not None:
-            self._lease_prefill(placement, choice.prefill, req, sreq, now)
-        return placement
-
-    def _lease_prefill(self, placement: Placement, engine: Engine, req: InferenceRequest,
-                       sreq: SchedRequest, now: float) -> None:
-        placement.prefill = engine
-        placement.prefill_blocks = kv_blocks(req.prompt_tokens, engine.block_size)
-        self.pool.acquire(engine, placement.prefill_blocks)
-        self.scheduler.record(sreq, engine, now)
-
-    @contextmanager
-    def _prefill_tracking(self, req: InferenceRequest,
-                          placement: Placement) -> Iterator[Callable[[], None] | None]:
-        """For a whole request of a split model: count its prompt as queued on its
-        engine until the first token (the prediction's prefill queue); yields the
-        first-token callback, or None when there is nothing to track."""
-        if req.model not in self._split_models or "kv_transfer_params" in req.body:
-            yield None
-            return
-        speed, engine, tokens = self.disagg.speed, placement.engine, placement.uncached
-        ahead, t0 = speed.start(engine, tokens), time.perf_counter()
-        done = False
-
-        def first_token() -> None:
-            nonlocal done
-            if not done:
-                done = True
-                speed.done(engine, tokens, ahead, time.perf_counter() - t0)
-
-        try:
-            yield first_token
-        finally:
-            if not done:
-                speed.done(engine, tokens, ahead, None)
-
-    def _release_prefill(self, placement: Placement) -> None:
-        """Release the prefill lease (idempotent)."""
-        if placement.prefill is not None:
-            self.pool.release(placement.prefill, placement.prefill_blocks)
-            placement.prefill = None
-
-    def _release(self, placement: Placement) -> None:
-        self._release_prefill(placement)
-        self.pool.release(placement.engine, placement.blocks)
-
-    async def _prefill(self, request: web.Request, req: InferenceRequest, tenant: TenantQuota,
-                       sreq: SchedRequest,
-                       placement: Placement) -> tuple[InferenceRequest, Engine | None]:
-        """Run a split request's prefill leg, retried on other prefill engines
-        (``gateway.retry_attempts`` in all) before giving up. Returns the decode
-        leg's request and the engine that prefilled — or the client's request and
-        None when every prefill failed: the decode engine then prefills itself. The
-        prefill lease is released when this returns or raises."""
-        tried: set[str] = set()
-        while placement.prefill is not None:
-            engine = placement.prefill
-            try:
-                with self.spans("upstream.prefill", kind=SpanKind.CLIENT) as span:
-                    span.set_attribute("sluice.engine", engine.id)
-                    upstream = {"x-request-id": request[RECORD].request_id}
-                    if self.spans.enabled:
-                        inject_traceparent(upstream)
-                    leg = await self.prefill_leg.send(engine, req, request, upstream,
-                                                      placement.uncached)
-                    return leg, engine
-            except UpstreamFailed as failed:
-                if failed.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
-                    engine.upstream_failures += 1
-                tried.add(engine.id)
-                self._release_prefill(placement)
-                if failed.retryable and len(tried) < self.cfg.gateway.retry_attempts:
-                    nxt = self._candidates(req, tenant, frozenset(tried), prefill=True)
-                    if nxt:
-                        best = min(nxt, key=self.disagg.speed.wait_s)
-                        self._lease_prefill(placement, best, req, sreq, time.monotonic())
-            finally:
-                if placement.prefill is engine:
-                    self._release_prefill(placement)
-        return req, None
+    def _need(self, request: web.Request, req: InferenceRequest,
+              tenant: TenantQuota) -> Need:
+        sched = SchedRequest(model=req.model, tenant=tenant.name,
+                             prompt_tokens=req.prompt_tokens, priority=tenant.priority,
+                             blocks=req.blocks, block_size=self.prompts.block_size(req.model),
+                             session_id=request.headers.get("x-session-id") or None)
+        return Need(sched, tenant.priority, self._kv_tokens(req), splittable=req.sequences == 1)
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
         return Rejected(Outcome.NO_ENGINE,
@@ -310,8 +190,7 @@ class Director:
         whose queue is not empty or where no engine has room now): climb one rung at a
         time (cap output, then fallback model) while still saturated; past the last
         rung, shed the request if its predicted queue wait (tickets of its band and
-        more urgent ones / drain rate)
-        exceeds what it may wait.
+        more urgent ones / drain rate) exceeds what it may wait.
 
         Raises:
             Rejected: ``OVERLOADED`` (reason ``shed``) as described.
@@ -319,31 +198,30 @@ class Director:
         dcfg = self._degradation[req.model]
         if tenant.priority not in dcfg.sheddable:
             return
-        rungs = (dcfg.max_tokens_cap is not None) + (dcfg.fallback_model is not None)
-        if rungs == 0 and not len(self.queues[req.model]):
+        rungs = ladder(dcfg, tenant.priority)
+        if not rungs and not len(self.queues[req.model]):
             return  # nothing to climb, and an empty queue predicts no wait: not shed
-        original = dict(req.body)
 
         def saturated() -> bool:
-            return bool(len(self.queues[req.model])) or not self._candidates(req, tenant)
+            return bool(len(self.queues[req.model])) or not self.placer.candidates(
+                req.model, tenant.priority, self._kv_tokens(req))
 
-        for level in range(1, rungs + 1):
+        for rung in rungs:
             if not saturated():
                 return
-            d = degrade(original, priority=tenant.priority, config=dcfg, level=level,
-                        retry_after_s=self.queues[req.model].retry_after_s())
-            if d.body.get("model") not in self.queues:  # fallback nobody serves
-                break
-            rec.degraded = d.actions
-            req.apply_body(d.body)
+            if rung.fallback_model is not None and rung.fallback_model not in self.queues:
+                break  # a fallback nobody serves
+            action = req.apply(rung)
+            if action is not None:
+                rec.degraded = (*rec.degraded, action)
         queue = self.queues[req.model]
         if len(queue) and queue.predicted_wait_s(tenant.priority) > max_wait_s:
-            degrade(original, priority=tenant.priority, config=dcfg, level=rungs + 1,
-                    retry_after_s=queue.retry_after_s())
+            raise shed(req.model, tenant.priority, queue.retry_after_s())
 
     # ------------------------------------------------------------------ pipeline
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        started = self.clock.now()
         tenant = request[TENANT]
         rec = request[RECORD]
         rec.inference, rec.priority = True, tenant.priority
@@ -351,9 +229,10 @@ class Director:
             req = parse_request(endpoint, parse_json(await self._read_body(request)))
             rec.model, rec.stream = req.model, req.stream
             self._check_model(tenant, req)
-            self._apply_tenant_caps(tenant, req)
             if req.model in self._salted:  # before the cache key: lookup and store agree
                 req.body["cache_salt"] = cache_salt(tenant.namespace, req.body.get("cache_salt"))
+            await self._measure(req)
+            self._apply_tenant_caps(tenant, req)
             timeout_s = _request_timeout(request)
             creq = self._cache_request(request, tenant, req)
             if creq is not None and self.cache.eligible(creq):  # type: ignore[union-attr]
@@ -363,8 +242,13 @@ class Director:
                     span.set_attribute("sluice.cache.hit", hit.kind if hit else "miss")
                 if hit is not None:
                     async with await self._reserve(tenant, 0, rec, concurrency=False):
-                        return await self._answer_from_cache(request, req, hit, rec)
-            async with await self._reserve(tenant, self._tokens(req), rec) as reservation:
+                        return await self._answer_from_cache(request, req, hit, rec, started)
+            size = self._sizing(tenant, req)
+            if req.max_output_tokens is None and tenant.tokens_per_min is not None:
+                # the quota holds only if the engine stops where the reservation does
+                req.set_output_cap(size.output // req.sequences)
+            rec.reserved_output_tokens = size.output
+            async with await self._reserve(tenant, size.total, rec) as reservation:
                 try:
                     result = await self._admit_and_send(request, req, tenant, rec, timeout_s)
                 finally:
@@ -376,7 +260,6 @@ class Director:
         except asyncio.CancelledError:
             rec.outcome = Outcome.CLIENT_DISCONNECTED
             raise
-
     async def _read_body(self, request: web.Request) -> bytes:
         """The request body, which must arrive within ``timeouts.request_body_s``.
 
@@ -423,12 +306,13 @@ class Director:
         task.add_done_callback(self._background.discard)
 
     async def _answer_from_cache(self, request: web.Request, req: InferenceRequest,
-                                 hit: CacheHit, rec: RequestRecord) -> web.StreamResponse:
+                                 hit: CacheHit, rec: RequestRecord,
+                                 started: float) -> web.StreamResponse:
         rec.cache, rec.outcome = f"hit-{hit.kind}", Outcome.CACHE_HIT
         usage = hit.response.get("usage") or {}
         rec.prompt_tokens = usage.get("prompt_tokens", 0)
         rec.completion_tokens = usage.get("completion_tokens", 0)
-        rec.ttft_s = time.perf_counter() - rec.started
+        rec.ttft_s = self.clock.now() - started
         headers = {"x-request-id": rec.request_id, "x-sluice-cache": rec.cache}
         if not req.stream:
             return web.json_response(as_json(hit.response, req.endpoint, req.model),
@@ -447,79 +331,102 @@ class Director:
         if not ready:
             raise self._no_engine(req)
         capacity = [e.num_blocks * e.block_size for e in ready if e.num_blocks and e.block_size]
-        if capacity and len(capacity) == len(ready) and self._tokens(req) > max(capacity):
+        kv = self._kv_tokens(req)
+        if capacity and len(capacity) == len(ready) and kv > max(capacity):
             raise Rejected(Outcome.CONTEXT_LENGTH_EXCEEDED,
-                           f"This request needs about {self._tokens(req)} tokens of KV cache "
-                           f"(prompt + max output); the largest engine holds {max(capacity)}.",
-                           param="messages" if req.endpoint == "chat" else "prompt")
+                           f"This request needs about {kv} tokens of KV cache (prompt + max "
+                           f"output × sequences); the largest engine holds {max(capacity)}.",
+                           param=req.prompt_param)
         max_wait = min(tenant.max_queue_wait_s or self.cfg.gateway.queue.default_max_wait_s,
                        timeout_s or math.inf)
+        model = req.model
         self._degrade(req, tenant, rec, max_wait)
-        sreq = await self._sched_request(request, req, tenant)
+        if req.model != model:  # a fallback model: its own tokenizer and blocks
+            await self._measure(req)
+        need = self._need(request, req, tenant)
         queue = self.queues[req.model]
-        ticket = queue.ticket(tenant, self._tokens(req), request_id=rec.request_id,
+        ticket = queue.ticket(tenant, need.tokens, request_id=rec.request_id,
                               timeout_s=timeout_s)
         with self.spans("queue.wait") as span:
             span.set_attribute("sluice.priority", tenant.priority)
             span.set_attribute("sluice.queue_depth", len(queue))
-            waited_from = time.perf_counter()
+            waited_from = self.clock.now()
             try:
-                placement = await queue.admit(ticket, lambda _t: self._place(req, tenant, sreq),
-                                              self._release)
+                first = await queue.admit(ticket, lambda _t: self.placer.place(need),
+                                          Placement.release)
             finally:
-                rec.queue_s = time.perf_counter() - waited_from
-        split_from, prefill_engine = time.perf_counter(), None
-        if placement.prefill is not None:
+                rec.queue_s = self.clock.now() - waited_from
+        prefilled: Engine | None = None
+        if first.prefill is not None:
+            split_from = self.clock.now()
             try:
-                req, prefill_engine = await self._prefill(request, req, tenant, sreq, placement)
+                req, prefilled = await self.prefill_leg.run(
+                    self.placer.prefill_attempts(first, need, self.cfg.gateway.retry_attempts),
+                    req, request, rec.request_id, first.uncached)
             except BaseException:
-                self._release(placement)
+                first.release()
                 raise
-        prefill_s = time.perf_counter() - split_from if prefill_engine is not None else 0.0
-        tried: set[str] = set()
-        while True:
-            rec.engine, rec.scores = placement.engine.id, placement.scores
-            with self.spans("schedule") as span:
-                span.set_attribute("sluice.engine", placement.engine.id)
-                for name, score in placement.scores.items():
-                    span.set_attribute(f"sluice.score.{name}", score)
-            headers = {"x-request-id": rec.request_id, "x-sluice-engine": placement.engine.id,
-                       "x-sluice-queue-ms": f"{rec.queue_s * 1000:.1f}", "x-sluice-cache": rec.cache}
-            if rec.degraded:
-                headers[DEGRADED_HEADER] = ", ".join(rec.degraded)
-            if prefill_engine is not None:
-                headers[PREFILL_ENGINE_HEADER] = prefill_engine.id
-            try:
-                with self.spans("upstream", kind=SpanKind.CLIENT) as span:
-                    span.set_attribute("sluice.engine", placement.engine.id)
-                    upstream = {"x-request-id": rec.request_id}
-                    if self.spans.enabled:
-                        inject_traceparent(upstream)
-                    with self._prefill_tracking(req, placement) as first_token:
-                        result = await self.client.send(placement.engine, req, request,
-                                                        headers, upstream, first_token)
-                placement.engine.upstream_failures = 0
-                rec.outcome = result.outcome
-                rec.ttft_s = None if result.ttft_s is None else prefill_s + result.ttft_s
-                rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens
-                rec.finish_reasons = result.finish_reasons
+            rec.prefill_s = self.clock.now() - split_from
+        failed: UpstreamFailed | None = None
+        for placement in self.placer.attempts(first, need, self.cfg.gateway.retry_attempts):
+            async with placement:
+                try:
+                    result = await self._send(request, req, rec, placement, prefilled)
+                except UpstreamFailed as e:
+                    if e.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
+                        placement.engine.breaker.record(False)
+                    failed = e
+                    if not e.retryable:
+                        break
+                    continue
+                except asyncio.CancelledError:
+                    rec.prompt_tokens = req.prompt_tokens  # the engine did the prefill
+                    raise
+                placement.engine.breaker.record(True)
                 return result
-            except UpstreamFailed as failed:
-                if failed.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
-                    placement.engine.upstream_failures += 1  # the supervisor's probes read it
-                tried.add(placement.engine.id)
-                retry = failed.retryable and len(tried) < self.cfg.gateway.retry_attempts
-                nxt = self._place(req, tenant, sreq, frozenset(tried)) if retry else None
-                if nxt is None:
-                    raise self._final_error(req, failed) from None
-            except asyncio.CancelledError:
-                rec.prompt_tokens = req.prompt_tokens  # the engine did the prefill
-                raise
-            finally:
-                self._release(placement)
-            placement = nxt
+        assert failed is not None
+        raise self._final_error(req, failed)
+
+    async def _send(self, request: web.Request, req: InferenceRequest, rec: RequestRecord,
+                    placement: Placement, prefilled: Engine | None) -> ProxyResult:
+        """One upstream attempt on ``placement``'s engine (the decode leg when
+        ``prefilled`` names the engine that ran the prefill leg); fills ``rec`` on
+        success, its TTFT counting both legs.
+
+        Raises:
+            UpstreamFailed: as :meth:`EngineClient.send`.
+        """
+        rec.engine, rec.scores = placement.engine.id, placement.scores
+        with self.spans("schedule") as span:
+            span.set_attribute("sluice.engine", placement.engine.id)
+            for name, score in placement.scores.items():
+                span.set_attribute(f"sluice.score.{name}", score)
+        headers = {"x-request-id": rec.request_id, "x-sluice-engine": placement.engine.id,
+                   "x-sluice-queue-ms": f"{(rec.queue_s or 0.0) * 1000:.1f}",
+                   "x-sluice-cache": rec.cache}
+        if rec.degraded:
+            headers[DEGRADED_HEADER] = ", ".join(rec.degraded)
+        if prefilled is not None:
+            headers[PREFILL_ENGINE_HEADER] = prefilled.id
+        # a whole request of a split model: its prompt is prefill queued on the engine
+        tracked = req.model in self.split_models and prefilled is None
+        with self.spans("upstream", kind=SpanKind.CLIENT) as span, \
+                self.placer.prefill_tracking(placement, tracked) as first_token:
+            span.set_attribute("sluice.engine", placement.engine.id)
+            upstream = {"x-request-id": rec.request_id}
+            if self.spans.enabled:
+                inject_traceparent(upstream)
+            result = await self.client.send(placement.engine, req, request, headers, upstream,
+                                            first_token)
+        rec.outcome = result.outcome
+        rec.ttft_s = None if result.ttft_s is None else (rec.prefill_s or 0.0) + result.ttft_s
+        rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens
+        rec.finish_reasons = result.finish_reasons
+        return result
 
     def _final_error(self, req: InferenceRequest, failed: UpstreamFailed) -> Rejected:
+        if failed.final is not None:
+            return failed.final
         if failed.outcome is Outcome.UPSTREAM_TIMEOUT:
             return Rejected(Outcome.UPSTREAM_TIMEOUT, "The engine did not answer in time.")
         if failed.outcome is Outcome.NO_ENGINE:

@@ -48,16 +48,20 @@ speeds), not a learned latency model.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
+from opentelemetry.trace import SpanKind
 
 from config.schema import DisaggregationConfig
-from engines.pool import Engine
+from engines.pool import Engine, EngineLease
 from gateway.openai_api import InferenceRequest
-from gateway.proxy import EngineClient
+from gateway.proxy import EngineClient, UpstreamFailed
+from gateway.tracing import Spans, inject_traceparent
+from limits.outcome import Outcome
 
 #: ``kv_transfer_params`` of the prefill leg, as vLLM's proxy sends them.
 PREFILL_PARAMS: Mapping[str, Any] = {
@@ -126,6 +130,26 @@ class PrefillSpeed:
         ahead = self.outstanding.get(engine.id, 0)
         self.outstanding[engine.id] = ahead + tokens
         return ahead
+
+    @contextmanager
+    def track(self, engine: Engine, tokens: int) -> Iterator[Callable[[], None]]:
+        """:meth:`start` a prefill of ``tokens`` on ``engine`` for the ``with`` block;
+        yields the callback to call at its first token (:meth:`done` with the time
+        taken); leaving the block without it ends the prefill unobserved."""
+        ahead, t0 = self.start(engine, tokens), time.perf_counter()
+        finished = False
+
+        def first_token() -> None:
+            nonlocal finished
+            if not finished:
+                finished = True
+                self.done(engine, tokens, ahead, time.perf_counter() - t0)
+
+        try:
+            yield first_token
+        finally:
+            if not finished:
+                self.done(engine, tokens, ahead, None)
 
     def done(self, engine: Engine, tokens: int, ahead: int, elapsed_s: float | None) -> None:
         """The prefill :meth:`start` ed with these ``tokens`` and ``ahead`` ended
@@ -223,37 +247,58 @@ class Disaggregator:
 
 
 class PrefillLeg:
-    """Sends prefill legs and keeps :class:`PrefillSpeed` up to date.
+    """Runs split requests' prefill legs and keeps :class:`PrefillSpeed` up to date.
 
     Args:
-        client: the gateway's engine client (``gateway.proxy.EngineClient``).
+        client: the gateway's engine client.
         speed: the estimates the choice reads.
+        spans: tracing.
     """
 
-    def __init__(self, client: EngineClient, speed: PrefillSpeed) -> None:
+    def __init__(self, client: EngineClient, speed: PrefillSpeed, spans: Spans) -> None:
         self.client = client
         self.speed = speed
+        self.spans = spans
 
-    async def send(self, engine: Engine, req: InferenceRequest, request: web.Request,
-                   upstream_headers: Mapping[str, str], uncached: int) -> InferenceRequest:
-        """Run ``req``'s prefill leg on ``engine``; returns the decode leg's request
-        (the client's body plus the returned ``kv_transfer_params``; without them
-        when the engine returned none, so the decode engine prefills itself).
+    async def run(self, attempts: Iterable[EngineLease], req: InferenceRequest,
+                  request: web.Request, request_id: str,
+                  uncached: int) -> tuple[InferenceRequest, Engine | None]:
+        """Run ``req``'s prefill leg on the first of ``attempts`` (prefill leases,
+        :meth:`gateway.placement.Placer.prefill_attempts`), on the next after a
+        retryable failure. Returns the decode leg's request (the client's body plus
+        the returned ``kv_transfer_params``) and the engine that prefilled; or the
+        client's request and None when every attempt failed, so the decode engine
+        prefills itself. Each lease is released when its leg ends.
 
         Raises:
-            UpstreamFailed: the leg failed (retry it on another prefill engine).
             Rejected: the engine rejected the request (4xx).
             asyncio.CancelledError: the client went away; the leg's connection is
                 closed, which aborts it on the engine.
         """
-        leg = replace(req, body=prefill_body(req.body), stream=False, client_usage=False,
-                      max_output_tokens=1)
-        ahead = self.speed.start(engine, uncached)
-        t0, elapsed = time.perf_counter(), None
-        try:
-            result = await self.client.send(engine, leg, request, {}, upstream_headers)
-            elapsed = time.perf_counter() - t0
-        finally:
-            self.speed.done(engine, uncached, ahead, elapsed)
+        for lease in attempts:
+            with lease:
+                try:
+                    leg = await self._send(lease.engine, req, request, request_id, uncached)
+                except UpstreamFailed as e:
+                    if e.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
+                        lease.engine.breaker.record(False)
+                    if not e.retryable:
+                        break
+                    continue
+                lease.engine.breaker.record(True)
+                return leg, lease.engine
+        return req, None
+
+    async def _send(self, engine: Engine, req: InferenceRequest, request: web.Request,
+                    request_id: str, uncached: int) -> InferenceRequest:
+        leg = replace(req, body=prefill_body(req.body), stream=False, client_usage=False)
+        with self.spans("upstream.prefill", kind=SpanKind.CLIENT) as span:
+            span.set_attribute("sluice.engine", engine.id)
+            upstream = {"x-request-id": request_id}
+            if self.spans.enabled:
+                inject_traceparent(upstream)
+            with self.speed.track(engine, uncached) as first_token:
+                result = await self.client.send(engine, leg, request, {}, upstream,
+                                                first_token)
         params = (result.answer or {}).get("kv_transfer_params")
         return replace(req, body=decode_body(req.body, params if isinstance(params, dict) else None))

@@ -19,7 +19,10 @@ class RequestRecord:
     """Times in seconds (``started`` is ``time.perf_counter()``); ``cache`` is
     ``hit-exact``, ``hit-semantic``, ``miss`` or ``bypass``; ``degraded`` lists the
     degradation actions applied (``max_tokens=256``, ``model=small``); ``reason`` is
-    the finer cause of a rejection (``requests_per_min``, ``queue_full``…)."""
+    the finer cause of a rejection (``requests_per_min``, ``queue_full``…);
+    ``reserved_output_tokens`` is the output part of the tokens/min reservation
+    (tokens; None when nothing was reserved, e.g. a cache hit); ``prefill_s`` is a
+    split request's prefill leg (s, included in ``ttft_s``)."""
 
     request_id: str
     path: str = ""
@@ -33,8 +36,10 @@ class RequestRecord:
     reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reserved_output_tokens: int | None = None
     queue_s: float | None = None
     ttft_s: float | None = None
+    prefill_s: float | None = None
     cache: str = "bypass"
     degraded: tuple[str, ...] = ()
     stream: bool = False
@@ -42,6 +47,14 @@ class RequestRecord:
     finish_reasons: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     duration_s: float = 0.0
+
+    @property
+    def overshoot_tokens(self) -> int:
+        """Completion tokens beyond the output tokens reserved (0 when within or when
+        nothing was reserved)."""
+        if self.reserved_output_tokens is None:
+            return 0
+        return max(0, self.completion_tokens - self.reserved_output_tokens)
 
     @property
     def tpot_s(self) -> float | None:

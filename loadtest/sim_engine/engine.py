@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from loadtest.sim_engine.kv_cache import KVCache
-from loadtest.sim_engine.metrics import SimMetrics
+from loadtest.sim_engine.metrics import sim_metrics
 from loadtest.sim_engine.profiles import Profile
 from loadtest.sim_engine.scheduler import Scheduler, SimRequest
 
@@ -44,8 +44,20 @@ class SimEngine:
         self.clock = clock
         self.kv = KVCache(profile.num_blocks, profile.block_size)
         self.scheduler = Scheduler(profile, self.kv)
-        self.metrics = SimMetrics(self.scheduler, model_name)
+        self.metrics = sim_metrics(self.scheduler, model_name)
         self._wake = asyncio.Event()
+        self._thawed = asyncio.Event()  # cleared while frozen
+        self._thawed.set()
+
+    def freeze(self) -> None:
+        """Stop stepping (fault injection): running requests get no more tokens and
+        new ones wait, while ``/health`` and ``/metrics`` keep answering — an engine
+        hung with a healthy health check. :meth:`thaw` resumes."""
+        self._thawed.clear()
+
+    def thaw(self) -> None:
+        """Resume stepping after :meth:`freeze`."""
+        self._thawed.set()
 
     def submit(self, req: SimRequest) -> None:
         """Queue ``req`` (its ``arrival_s`` is set to now)."""
@@ -66,6 +78,7 @@ class SimEngine:
     async def run(self) -> None:
         """Step forever (cancel to stop)."""
         while True:
+            await self._thawed.wait()
             plan = self.scheduler.schedule() if self.scheduler.has_work else None
             if plan is None or not plan.scheduled:
                 self._wake.clear()
