@@ -110,10 +110,11 @@ class PrefillSpeed:
 
     An observation is one prefill (a prefill leg's answer or a whole request's first
     token): ``elapsed_s / (tokens ahead of it + its own tokens)``, the queue it found
-    included, so the estimate needs no engine profile.
+    included, so the estimate needs no engine profile. ``clock``: monotonic time, s.
     """
 
     prior_s_per_token: float
+    clock: Callable[[], float] = time.monotonic
     outstanding: dict[str, int] = field(default_factory=dict)
     s_per_token: dict[str, float] = field(default_factory=dict)
 
@@ -136,14 +137,14 @@ class PrefillSpeed:
         """:meth:`start` a prefill of ``tokens`` on ``engine`` for the ``with`` block;
         yields the callback to call at its first token (:meth:`done` with the time
         taken); leaving the block without it ends the prefill unobserved."""
-        ahead, t0 = self.start(engine, tokens), time.perf_counter()
+        ahead, t0 = self.start(engine, tokens), self.clock()
         finished = False
 
         def first_token() -> None:
             nonlocal finished
             if not finished:
                 finished = True
-                self.done(engine, tokens, ahead, time.perf_counter() - t0)
+                self.done(engine, tokens, ahead, self.clock() - t0)
 
         try:
             yield first_token
@@ -185,13 +186,14 @@ class Disaggregator:
 
     Args:
         cfg: the ``disaggregation`` section.
-        speed: the per-engine prefill estimates it reads (shared with the legs that
-            update them).
+        clock: monotonic time, s, for the prefill-speed observations
+            (:attr:`speed`, which the legs update).
     """
 
-    def __init__(self, cfg: DisaggregationConfig, speed: PrefillSpeed | None = None) -> None:
+    def __init__(self, cfg: DisaggregationConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
-        self.speed = speed or PrefillSpeed(1.0 / cfg.prefill_tokens_per_s)
+        self.speed = PrefillSpeed(1.0 / cfg.prefill_tokens_per_s, clock)
         bits = (cfg.kv_bytes_per_token or 0) * 8
         #: predicted transfer time per token, s
         self.transfer_s_per_token = bits / (cfg.transfer_gbps * 1e9)

@@ -122,3 +122,19 @@ def test_a_busy_decode_engine_takes_local_prefills_only_within_its_backlog_budge
     assert d.choose(1500, {}, [busy], [p]).prefill is None  # 150 ms backlog: local
     d.speed.start(busy, 1000)  # 100 ms of prefill already queued on the decode engine
     assert d.choose(1500, {}, [busy], [p]).prefill is p  # 250 ms > 200 ms: split
+
+
+def test_track_observes_the_first_token_time_on_the_injected_clock():
+    now = [100.0]
+    speed = PrefillSpeed(prior_s_per_token=1e-3, clock=lambda: now[0])
+    e = eng("d", "decode")
+    with speed.track(e, 1000) as first_token:
+        assert speed.outstanding["d"] == 1000
+        now[0] += 0.5
+        first_token()  # 0.5 s for 1000 tokens
+        assert speed.outstanding["d"] == 0
+        first_token()  # once only
+    assert speed.c(e) == pytest.approx(1e-3 + 0.2 * (5e-4 - 1e-3))
+    with speed.track(e, 400):
+        pass  # no first token: counted out, not observed
+    assert speed.outstanding["d"] == 0 and speed.c(e) == pytest.approx(9e-4)
