@@ -228,8 +228,10 @@ class EngineSpec(_Strict):
     neither, free ports are chosen. ``tokenizer``: see :attr:`tokenizer_source`.
 
     ``role`` (prefill–decode disaggregation): ``prefill`` engines take the prefill leg
-    of split requests, ``decode`` engines the decode leg (and whole requests the
-    gateway chooses not to split), ``both`` either or whole requests. ``kv_connector``
+    of split requests and nothing else, ``decode`` engines the decode leg and whole
+    requests the gateway chooses not to split, ``both`` (the default) the same as
+    ``decode`` — for the simulator and vLLM it means a connector that both sends and
+    receives (``kv_both``). ``kv_connector``
     names the KV connector the engine moves blocks with (vLLM's
     ``--kv-transfer-config`` ``kv_connector``, e.g. ``NixlConnector``); a role other
     than ``both`` needs one.

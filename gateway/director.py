@@ -363,6 +363,10 @@ class Director:
                 req, prefilled = await self.prefill_leg.run(
                     self.placer.prefill_attempts(first, need, self.cfg.gateway.retry_attempts),
                     req, request, rec.request_id, first.uncached)
+            except asyncio.CancelledError:
+                rec.prompt_tokens = req.prompt_tokens  # the prefill engine computed it
+                first.release()
+                raise
             except BaseException:
                 first.release()
                 raise

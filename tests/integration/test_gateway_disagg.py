@@ -242,3 +242,12 @@ async def test_prompt_cached_on_a_decode_engine_skips_the_prefill_leg():
         assert len(d.received) == 3 and "kv_transfer_params" not in d.received[2]
         busy.close()
         await wait_for(lambda: idle(gw))
+
+
+async def test_a_multi_sequence_request_is_not_split():
+    async with fleet(["prefill", "decode"]) as (gw, (p, d), _):
+        async with await gw.post("/v1/chat/completions", {**CHAT, "n": 2}) as r:
+            assert r.status == 200
+            await r.read()
+            assert "x-sluice-prefill-engine" not in r.headers
+        assert p.received == [] and len(d.received) == 1
