@@ -121,6 +121,9 @@ def format_summary(s: dict[str, Any]) -> str:
              f" {s['goodput_rps']:.2f} req/s ({s['goodput_fraction']:.1%})"]
     if s["shed_rate"]:
         lines.append("not ok: " + ", ".join(f"{k} {v:.1%}" for k, v in s["shed_rate"].items()))
+    if s.get("kv_transfers"):
+        lines.append(f"split {s['split_fraction']:.1%} of requests; KV transfers "
+                     f"{s['kv_transfers']:.0f}, {s['kv_bytes_moved'] / 1e9:.1f} GB moved")
     if s["prefix_hit_rate"] is not None:
         lines.append(f"prefix hit rate {s['prefix_hit_rate']:.3f}; load max/mean "
                      f"{s['load_max_over_mean'] or float('nan'):.2f}")
