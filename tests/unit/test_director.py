@@ -40,19 +40,9 @@ from limits.memory_store import MemoryStore
 from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter
 from limits.saturation import SaturationDetector, kv_blocks
+from tests.support import ManualClock as Clock
 
 MSG = [{"role": "user", "content": "hello there"}]
-
-
-class Clock:
-    """Hand-driven; ``step`` is added on every read (a clock that moves by itself)."""
-
-    def __init__(self, step: float = 0.0) -> None:
-        self.t, self.step = 1000.0, step
-
-    def now(self) -> float:
-        self.t += self.step
-        return self.t
 
 
 class FakeClient:
