@@ -56,7 +56,7 @@ async def test_cancelled_stream_returns_its_slot(replicas: list[RateLimiter]) ->
     async def stream() -> None:
         async with await replicas[0].reserve(t, 0, request_id="s"):
             started.set()
-            await asyncio.sleep(60)
+            await asyncio.Event().wait()  # a stream that lasts until cancelled
 
     task = asyncio.create_task(stream())
     await started.wait()

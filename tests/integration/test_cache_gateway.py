@@ -22,11 +22,6 @@ A = {"Authorization": "Bearer ka"}
 B = {"Authorization": "Bearer kb"}
 
 
-async def stored(gw) -> None:
-    """Let the background store finish (it runs off the response path)."""
-    await asyncio.sleep(0.1)
-
-
 def stream_text(raw: bytes) -> tuple[str, dict | None]:
     events = sse_events(raw)
     assert events[-1] == b"data: [DONE]"
@@ -43,7 +38,7 @@ async def test_hit_replays_as_json_and_as_stream_whichever_way_it_was_made(engin
         r = await gw.post("/v1/chat/completions", {**DET, "stream": True}, headers=A)
         text, _ = stream_text(await r.read())
         assert r.headers["x-sluice-cache"] == "miss" and text == fake.reply
-        await stored(gw)
+        await gw.idle()
         r = await gw.post("/v1/chat/completions", DET, headers=A)  # JSON from a stream
         body = await r.json()
         assert r.headers["x-sluice-cache"] == "hit-exact"
@@ -66,7 +61,7 @@ async def test_sampled_and_no_cache_requests_bypass(engines):
             r = await gw.post("/v1/chat/completions", CHAT)
             assert r.headers["x-sluice-cache"] == "bypass"
         await gw.post("/v1/chat/completions", DET)
-        await stored(gw)
+        await gw.idle()
         r = await gw.post("/v1/chat/completions", DET, headers={"Cache-Control": "no-cache"})
         assert r.headers["x-sluice-cache"] == "bypass"
         assert len(fake.received) == 4
@@ -80,7 +75,7 @@ async def test_errors_and_aborted_streams_are_not_stored(engines):
         assert b"[DONE]" not in await r.read()
         fake.mode = "error500"
         assert (await gw.post("/v1/chat/completions", DET)).status == 502
-        await stored(gw)
+        await gw.idle()
         fake.mode = "ok"
         r = await gw.post("/v1/chat/completions", DET)
         assert r.status == 200 and r.headers["x-sluice-cache"] == "miss"
@@ -90,7 +85,7 @@ async def test_tenants_never_share_entries(engines):
     (fake,) = await engines(1)
     async with run_gateway(make_config([fake], tenants=TENANTS)) as gw:
         await gw.post("/v1/chat/completions", DET, headers=A)
-        await stored(gw)
+        await gw.idle()
         r = await gw.post("/v1/chat/completions", DET, headers=B)
         assert r.headers["x-sluice-cache"] == "miss"
         r = await gw.post("/v1/chat/completions", DET, headers=A)
@@ -126,9 +121,9 @@ async def test_streamed_answers_with_logprobs_or_tools_are_not_stored(engines):
     async with run_gateway(make_config([fake])) as gw:
         body = {**DET, "logprobs": True}
         await (await gw.post("/v1/chat/completions", {**body, "stream": True})).read()
-        await stored(gw)
+        await gw.idle()
         r = await gw.post("/v1/chat/completions", body)  # would lack the logprobs
         assert r.headers["x-sluice-cache"] == "miss"
-        await stored(gw)
+        await gw.idle()
         r = await gw.post("/v1/chat/completions", {**body, "stream": True})
         assert r.headers["x-sluice-cache"] == "hit-exact"  # the JSON answer was complete
