@@ -39,7 +39,6 @@ from aiohttp import web
 
 from gateway.auth import hash_key
 from gateway.dashboard import dashboard
-from tests.conftest import free_port
 from tests.integration.limits_support import (
     MODEL,
     auth,
@@ -275,8 +274,8 @@ async def contract_server(feed: dict[str, Any], key: str | None = None):
     app.router.add_get("/admin/stats", stats)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
     try:
         yield f"http://127.0.0.1:{port}", seen
     finally:
