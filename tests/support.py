@@ -28,9 +28,9 @@ class ManualClock:
 
 
 async def wait_for(predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 5.0,
-                   what: str = "the condition") -> None:
+                   what: str = "the condition", poll_s: float = POLL_S) -> None:
     """Return as soon as ``predicate()`` (plain or async) is true, checking every
-    :data:`POLL_S` s of the event loop.
+    ``poll_s`` s (default :data:`POLL_S`; longer where each check sends a request).
 
     Raises:
         AssertionError: still false after ``timeout_s`` seconds (names ``what``).
@@ -44,7 +44,7 @@ async def wait_for(predicate: Callable[[], bool | Awaitable[bool]], timeout_s: f
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        await asyncio.sleep(POLL_S)
+        await asyncio.sleep(poll_s)
 
 
 def wait_for_sync(predicate: Callable[[], bool], timeout_s: float = 10.0,
