@@ -1,4 +1,7 @@
-"""Shared fixtures: free ports and a private ``redis-server`` for the whole session."""
+"""Shared fixtures: free ports and a private ``redis-server`` for the whole session.
+
+``redis-server`` takes its port on the command line, so it gets
+:func:`loadtest.launch.free_port` rather than binding port 0 itself."""
 
 from __future__ import annotations
 
@@ -6,26 +9,23 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from loadtest.launch import free_port
+from tests.support import wait_for_sync
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _wait_port(port: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
+def _listens(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
 
 
 class RedisServer:
@@ -52,7 +52,7 @@ class RedisServer:
              "--appendonly", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        _wait_port(self.port)
+        wait_for_sync(lambda: _listens(self.port), 10, f"redis-server on port {self.port}")
 
     def stop(self) -> None:
         if self.proc is not None:

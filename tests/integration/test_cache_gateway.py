@@ -13,6 +13,7 @@ from gateway.auth import hash_key
 from loadtest.launch import gateway
 from tests.integration.conftest import make_config, run_gateway
 from tests.integration.test_gateway_api import CHAT, sse_events
+from tests.support import wait_for_sync
 
 DET = {**CHAT, "temperature": 0}
 TENANTS = {"allow_anonymous": False, "tenants": [
@@ -105,10 +106,14 @@ async def test_two_gateway_processes_share_entries_through_redis(engines, redis_
         with gateway(tmp_path, ready_timeout_s=60) as one, gateway(tmp_path, ready_timeout_s=60) as two:
             first = httpx.post(one.url + "/v1/chat/completions", json=DET, timeout=30)
             assert first.status_code == 200
-            for _ in range(50):  # stored in the background; poll briefly
-                second = httpx.post(two.url + "/v1/chat/completions", json=DET, timeout=30)
-                if second.headers["x-sluice-cache"] != "miss":
-                    break
+            answers = []
+
+            def hit() -> bool:  # the first gateway stores in the background
+                answers.append(httpx.post(two.url + "/v1/chat/completions", json=DET, timeout=30))
+                return answers[-1].headers["x-sluice-cache"] != "miss"
+
+            wait_for_sync(hit, 5, "the second gateway to see the stored answer")
+            second = answers[-1]
             return [first.headers["x-sluice-cache"], second.headers["x-sluice-cache"],
                     second.json()["choices"][0]["message"]["content"]]
 
