@@ -10,6 +10,9 @@ from collections.abc import Awaitable, Callable
 
 #: Seconds between two checks of a :func:`wait_for` predicate.
 POLL_S = 0.01
+#: Checks :func:`wait_for` makes after single event-loop iterations before it starts
+#: waiting ``poll_s`` between checks (what other tasks do next is seen at once).
+SPIN_CHECKS = 20
 
 
 class ManualClock:
@@ -29,13 +32,15 @@ class ManualClock:
 
 async def wait_for(predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 5.0,
                    what: str = "the condition", poll_s: float = POLL_S) -> None:
-    """Return as soon as ``predicate()`` (plain or async) is true, checking every
-    ``poll_s`` s (default :data:`POLL_S`; longer where each check sends a request).
+    """Return as soon as ``predicate()`` (plain or async) is true: checked after each
+    of the next :data:`SPIN_CHECKS` event-loop iterations, then every ``poll_s`` s
+    (default :data:`POLL_S`; longer where each check sends a request).
 
     Raises:
         AssertionError: still false after ``timeout_s`` seconds (names ``what``).
     """
     deadline = time.monotonic() + timeout_s
+    checks = 0
     while True:
         ok = predicate()
         if inspect.isawaitable(ok):
@@ -44,7 +49,8 @@ async def wait_for(predicate: Callable[[], bool | Awaitable[bool]], timeout_s: f
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        await asyncio.sleep(poll_s)
+        checks += 1
+        await asyncio.sleep(0 if checks <= SPIN_CHECKS else poll_s)
 
 
 def wait_for_sync(predicate: Callable[[], bool], timeout_s: float = 10.0,

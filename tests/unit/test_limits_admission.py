@@ -12,7 +12,7 @@ import pytest
 from config.schema import QueueConfig, TenantQuota
 from limits.admission import AdmissionQueue, Ticket
 from limits.outcome import Outcome, Rejected
-from tests.support import ManualClock
+from tests.support import ManualClock, wait_for
 
 
 class Capacity:
@@ -44,11 +44,6 @@ def quota(name: str = "t", **kw: object) -> TenantQuota:
     return TenantQuota(name=name, **kw)  # type: ignore[arg-type]
 
 
-async def settle_loop() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
-
-
 def start(q: AdmissionQueue[Ticket], cap: Capacity, ticket: Ticket) -> asyncio.Task[Ticket]:
     return asyncio.ensure_future(q.admit(ticket, cap.place, cap.undo))
 
@@ -67,13 +62,13 @@ async def test_priority_bands_in_order() -> None:
     order = ["batch", "standard", "interactive", "batch", "interactive"]
     tasks = [start(q, cap, q.ticket(quota(f"t{i}", priority=p), 10, request_id=f"{p}{i}"))
              for i, p in enumerate(order)]
-    await settle_loop()
+    await wait_for(lambda: len(q) == 5)
     assert q.depth() == {"interactive": 2, "standard": 1, "batch": 2}
     assert q.tokens_queued == 50
-    for _ in order:
+    for i in range(len(order)):
         cap.slots = 1
         q.kick()
-        await settle_loop()
+        await wait_for(lambda i=i: len(cap.placed) == i + 1)
     assert [t.priority for t in cap.placed] == [
         "interactive", "interactive", "standard", "batch", "batch"]
     assert [t.request_id for t in cap.placed[:2]] == ["interactive2", "interactive4"]
@@ -88,12 +83,12 @@ async def test_weighted_fair_share_on_tokens() -> None:
     heavy, light = quota("heavy", weight=3.0), quota("light", weight=1.0)
     tasks = [start(q, cap, q.ticket(t, rng.randint(50, 3000)))
              for _ in range(400) for t in (heavy, heavy, light)]
-    await settle_loop()
+    await wait_for(lambda: len(q) == 1200)
     served = {"heavy": 0, "light": 0}
     while sum(1 for t in cap.placed if t.tenant == "light") < 200:  # both stay backlogged
         cap.slots = 4  # the engines take 4 requests per kick
         q.kick()
-        await settle_loop()
+        await wait_for(lambda: cap.slots == 0)
     for t in cap.placed:
         served[t.tenant] += t.tokens
     ratio = served["heavy"] / served["light"]
@@ -127,9 +122,9 @@ async def test_full_queue_sheds_lowest_priority_newest() -> None:
     b1 = start(q, cap, q.ticket(quota("a", priority="batch"), 10))
     b2 = start(q, cap, q.ticket(quota("b", priority="batch"), 10))
     s1 = start(q, cap, q.ticket(quota("c", priority="standard"), 10))
-    await settle_loop()
+    await wait_for(lambda: len(q) == 3)
     i1 = start(q, cap, q.ticket(quota("d", priority="interactive"), 10))
-    await settle_loop()
+    await wait_for(b2.done)
     assert b2.done() and not b1.done()  # the newest batch ticket made room
     shed = b2.exception()
     assert isinstance(shed, Rejected) and shed.outcome is Outcome.OVERLOADED
@@ -145,9 +140,9 @@ async def test_full_queue_sheds_lowest_priority_newest() -> None:
 async def test_token_bound_sheds_too() -> None:
     q, cap = make_queue(max_tokens=1000), Capacity(0)
     batch = start(q, cap, q.ticket(quota("a", priority="batch"), 600))
-    await settle_loop()
+    await wait_for(lambda: len(q) == 1)
     urgent = start(q, cap, q.ticket(quota("b", priority="interactive"), 600))
-    await settle_loop()
+    await wait_for(batch.done)
     assert isinstance(batch.exception(), Rejected) and q.tokens_queued == 600
     with pytest.raises(Rejected):  # bigger than the whole queue
         await q.admit(q.ticket(quota("c", priority="interactive"), 1001), cap.place, cap.undo)
@@ -158,24 +153,23 @@ async def test_token_bound_sheds_too() -> None:
 async def test_cancelled_waiter_leaves_at_once() -> None:
     q, cap = make_queue(), Capacity(0)
     task = start(q, cap, q.ticket(quota(), 10))
-    await settle_loop()
-    assert len(q) == 1
+    await wait_for(lambda: len(q) == 1)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert len(q) == 0 and q.tokens_queued == 0
     cap.slots = 1
     q.kick()
-    await settle_loop()
-    assert cap.placed == []
+    nxt = q.ticket(quota("next"), 10)  # the slot goes to the next ticket, at once
+    assert await q.admit(nxt, cap.place, cap.undo) is nxt and cap.placed == [nxt]
 
 
 async def test_placement_for_a_waiter_cancelled_meanwhile_is_undone() -> None:
     q, cap = make_queue(), Capacity(0)
     task = start(q, cap, q.ticket(quota(), 10))
-    await settle_loop()
+    await wait_for(lambda: len(q) == 1)
     cap.slots = 1
     q.kick()
-    await asyncio.sleep(0)  # the kick placed it; the waiter has not resumed yet
+    await asyncio.sleep(0)  # one loop step: the kick placed it; the waiter has not resumed yet
     assert len(cap.placed) == 1
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -189,13 +183,13 @@ async def test_a_failing_place_fails_only_its_ticket() -> None:
         raise RuntimeError("boom")
 
     blocker = start(q, cap, q.ticket(quota("a"), 10))
-    await settle_loop()
+    await wait_for(lambda: len(q) == 1)
     bad = asyncio.ensure_future(q.admit(q.ticket(quota("b"), 10), broken, cap.undo))
     good = start(q, cap, q.ticket(quota("c"), 10))
-    await settle_loop()
+    await wait_for(lambda: len(q) == 3)
     cap.slots = 2
     q.kick()
-    await settle_loop()
+    await wait_for(lambda: bad.done() and good.done())
     assert isinstance(bad.exception(), RuntimeError)
     assert {(await blocker).tenant, (await good).tenant} == {"a", "c"}
 
@@ -204,7 +198,7 @@ async def test_timer_retries_without_kicks() -> None:
     q = AdmissionQueue("m", QueueConfig(), ManualClock(), retry_interval_s=0.02)
     cap = Capacity(0)
     task = start(q, cap, q.ticket(quota(), 10))
-    await settle_loop()
+    await wait_for(lambda: len(q) == 1)
     cap.slots = 1  # capacity appears without anyone calling kick()
     assert (await asyncio.wait_for(task, 1)).tenant == "t"
 
@@ -223,10 +217,11 @@ async def test_predicted_wait_counts_only_bands_ahead() -> None:
     assert q.predicted_wait_s() == 7  # nothing drained yet
     tasks = [start(q, cap, q.ticket(quota("b", priority="batch"), 10)) for _ in range(9)]
     tasks.append(start(q, cap, q.ticket(quota("s"), 10)))
-    await settle_loop()
+    await wait_for(lambda: len(q) == 10)
     cap.slots = 1
     q.kick()
-    await settle_loop()  # the standard ticket went first: one admission drained
+    await wait_for(lambda: len(cap.placed) == 1)
+    assert cap.placed[0].tenant == "s"  # the standard ticket went first: one admission drained
     # the clock stands still, so every reading sees the same drain rate (on a real clock
     # the rate decays between two readings and the ratios drift under load)
     whole = q.predicted_wait_s()  # 9 batch + 1 new over the drain rate
