@@ -22,6 +22,10 @@ from config.schema import EngineSpec
 
 log = logging.getLogger(__name__)
 
+#: Longest wait, s, for a killed group's other members (vLLM's EngineCore and workers)
+#: to disappear after its leader exited.
+GROUP_EXIT_S = 5.0
+
 #: Builds an engine's command line from its spec, the chosen host and port, and the
 #: resolved model path (None for kinds without one).
 CommandBuilder = Callable[[EngineSpec, str, int, "str | None"], list[str]]
@@ -125,8 +129,24 @@ class EngineProcess:
         assert self._proc is not None, "not started"
         code = await self._proc.wait()
         self._signal_group(signal.SIGKILL)
+        await self._group_gone(GROUP_EXIT_S)
         self._group_alive = False
         return code
+
+    async def _group_gone(self, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``) until no process of the group is left: SIGKILL is
+        delivered asynchronously, and an engine restarted while its old EngineCore
+        still holds memory may fail to start. Zombies awaiting their reaper still
+        count as members, hence the bound."""
+        assert self._proc is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            try:
+                os.killpg(self._proc.pid, 0)
+            except ProcessLookupError:
+                return
+            await asyncio.sleep(0.05)  # the kernel has no event for "group empty"
 
     def kill(self) -> None:
         """SIGKILL the whole group now (no-op once it is gone)."""

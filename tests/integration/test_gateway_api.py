@@ -105,6 +105,20 @@ async def test_unknown_route_and_method_are_openai_errors(engines):
         assert r.status == 405
 
 
+async def test_unparseable_http_is_an_openai_error(engines):
+    """A header longer than aiohttp's 8190-byte field limit never reaches the
+    middlewares; the connection handler still answers in the OpenAI shape."""
+    (eng,) = await engines()
+    async with run_gateway(make_config([eng])) as gw:
+        r = await gw.session.post(f"{gw.url}/v1/chat/completions", json=[],
+                                  headers={"Authorization": "Bearer " + "k" * 10_000})
+        assert r.status == 400
+        body = await r.json()
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["code"] == "invalid_request"
+    assert "8190" in body["error"]["message"]
+
+
 async def test_auth_keys_and_anonymous(engines):
     (fake,) = await engines(1)
     tenants = {"allow_anonymous": False,
