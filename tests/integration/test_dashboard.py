@@ -404,7 +404,9 @@ async def reload_tenants(config_dir: Path, session: aiohttp.ClientSession, url: 
     for text, want in ((yaml.safe_dump(changed), before + 1),
                        ("tenants:\n  - name: beta\n    weight: -1\n", before + 2),
                        (yaml.safe_dump(changed), before + 3)):
-        path.write_text(text)
+        staged = path.with_suffix(".staged")  # replaced whole: the watcher never reads
+        staged.write_text(text)              # a half-written file (an extra "error")
+        staged.replace(path)
 
         async def reported(want: int = want) -> bool:
             return len((await fetch_stats(session, url))["reloads"]) >= want
