@@ -11,7 +11,6 @@ import asyncio
 import logging
 import os
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -23,6 +22,8 @@ from engines.metrics import MetricsPoller
 from engines.pool import Engine, EnginePool, EngineState
 from engines.process import DEFAULT_COMMANDS, CommandBuilder, choose_port
 from engines.runner import EngineRunner
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class Supervisor:
         session: aiohttp.ClientSession,
         *,
         model_cache_dir: Path | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = MONOTONIC,
         commands: Mapping[str, CommandBuilder] = DEFAULT_COMMANDS,
         run_dir: Path | None = None,
     ) -> None:

@@ -8,9 +8,9 @@ with ``speed`` factors fit on a couple of cores.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 from loadtest.sim_engine.kv_cache import KVCache
 from loadtest.sim_engine.metrics import sim_metrics
 from loadtest.sim_engine.profiles import Profile
@@ -29,7 +29,7 @@ class SimEngine:
     """
 
     def __init__(self, profile: Profile, model_name: str, speed: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Clock = MONOTONIC) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
         capacity = (profile.num_blocks - 1) * profile.block_size
@@ -61,7 +61,7 @@ class SimEngine:
 
     def submit(self, req: SimRequest) -> None:
         """Queue ``req`` (its ``arrival_s`` is set to now)."""
-        req.arrival_s = self.clock()
+        req.arrival_s = self.clock.now()
         self.scheduler.add(req)
         self._wake.set()
 
@@ -87,7 +87,7 @@ class SimEngine:
             step_s = self.profile.step_seconds(plan.prefill_tokens, plan.decode_seqs,
                                                plan.kv_tokens)
             await asyncio.sleep(step_s / self.speed)
-            now = self.clock()
+            now = self.clock.now()
             for req in self.scheduler.commit(plan, now):
                 if req.last_itl_s is None:
                     self.metrics.ttft.observe((now - req.arrival_s) * self.speed)
