@@ -140,7 +140,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     wake = asyncio.Event()
     reqs = [SimRequest(engine_request_id(shape.id if parsed.n == 1 else f"{shape.id}-{i}"),
                        n_prompt, hashes, max_tokens, notify=wake.set) for i in range(parsed.n)]
-    arrival = engine.clock()
+    arrival = engine.clock.now()
     # the connector's legs are single-sequence requests (vLLM's proxy sends n = 1)
     legs = connector if connector is not None and parsed.n == 1 else None
     if legs is not None and legs.remote_prefill(params):

@@ -79,11 +79,18 @@ async def test_completion_stream_without_usage_and_non_stream(sim):
         events = parse_sse(await r.read())
     assert events[-1] == b"[DONE]" and len(events) == 4
     assert all(e["object"] == "text_completion" and "usage" not in e for e in events[:-1])
-    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_completion_tokens": 4}
+    # completions read max_tokens only, as vLLM's do
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 2, "max_completion_tokens": 4}
     async with sim.post("/v1/completions", json=body) as r:
         data = await r.json()
-    assert data["usage"]["prompt_tokens"] == 4 and data["usage"]["completion_tokens"] == 4
+    assert data["usage"]["prompt_tokens"] == 4 and data["usage"]["completion_tokens"] == 2
     assert data["choices"][0]["finish_reason"] == "length"
+    # chat: max_completion_tokens when not null, else max_tokens
+    for caps, expected in (({"max_completion_tokens": None, "max_tokens": 3}, 3),
+                           ({"max_completion_tokens": 2, "max_tokens": 5}, 2)):
+        body = {"messages": [{"role": "user", "content": "x"}], **caps}
+        async with sim.post("/v1/chat/completions", json=body) as r:
+            assert (await r.json())["usage"]["completion_tokens"] == expected
     body = {"messages": [{"role": "user", "content": "x"}]}  # model optional, 16 tokens
     async with sim.post("/v1/chat/completions", json=body) as r:
         data = await r.json()
