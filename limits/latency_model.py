@@ -21,10 +21,11 @@ Söderström, "Theory and Practice of Recursive Identification", MIT Press 1983,
 ch. 2): gain ``K = P x / (1 + xᵀ P x)``, ``θ ← θ + K e``, ``P ← (P − K xᵀ P) / λ``, with
 the noise variance ``σ²`` estimated from the residuals, so ``σ² (1 + xᵀ P x)`` is the
 predictive variance the admission uses (mean + ``z`` standard deviations).
-Robustness: samples that are not finite or not positive are ignored; the innovation is clipped at ``huber_k`` predictive
-standard deviations (Huber's M-estimator applied recursively); ``P``'s diagonal is
-capped at the prior's (forgetting without excitation cannot wind it up); parameters
-are kept ≥ 0 (a latency never falls with load).
+Robustness: samples that are not finite or not positive are ignored; the innovation
+is clipped at ``huber_k`` predictive standard deviations (Huber's M-estimator applied
+recursively); ``P``'s diagonal is capped at the prior's (forgetting without
+excitation cannot wind it up); parameters are kept ≥ 0 (a latency never falls with
+load).
 """
 
 from __future__ import annotations

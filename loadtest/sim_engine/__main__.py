@@ -28,6 +28,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens")
     return p.parse_args(argv)
 
 
@@ -36,7 +39,9 @@ async def _serve_forever(args: argparse.Namespace) -> None:
         num_blocks=args.num_blocks, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len)
-    engine = SimEngine(profile, args.model, speed=args.speed)
+    engine = SimEngine(profile, args.model, speed=args.speed,
+                       scheduling_policy=args.scheduling_policy,
+                       prompt_tokens_details=args.enable_prompt_tokens_details)
     runner = await serve(engine, args.host, args.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -24,12 +24,17 @@ class SimEngine:
         profile: geometry, limits and cost model (see ``profiles.py``).
         model_name: served model name (metric label).
         speed: simulated seconds per wall second (> 0); 2.0 runs twice as fast as
-            the modelled device, 0.5 half as fast.
+            the modelled device, 0.5 half as fast. :meth:`set_speed` changes it
+            while running (``POST /sim/speed``).
         clock: monotonic wall clock, s (injectable for tests).
+        scheduling_policy: ``fcfs`` or ``priority`` (vLLM ``--scheduling-policy``).
+        prompt_tokens_details: report ``usage.prompt_tokens_details.cached_tokens``
+            (vLLM ``--enable-prompt-tokens-details``).
     """
 
     def __init__(self, profile: Profile, model_name: str, speed: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 scheduling_policy: str = "fcfs", prompt_tokens_details: bool = False) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
         capacity = (profile.num_blocks - 1) * profile.block_size
@@ -43,9 +48,16 @@ class SimEngine:
         self.speed = speed
         self.clock = clock
         self.kv = KVCache(profile.num_blocks, profile.block_size)
-        self.scheduler = Scheduler(profile, self.kv)
+        self.scheduler = Scheduler(profile, self.kv, scheduling_policy)
+        self.prompt_tokens_details = prompt_tokens_details
         self.metrics = SimMetrics(self.scheduler, model_name)
         self._wake = asyncio.Event()
+
+    def set_speed(self, speed: float) -> None:
+        """Run at ``speed`` (> 0) from the next step on."""
+        if not speed > 0:
+            raise ValueError("speed must be > 0")
+        self.speed = speed
 
     def submit(self, req: SimRequest) -> None:
         """Queue ``req`` (its ``arrival_s`` is set to now)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -88,7 +88,9 @@ class _SchedulerCollector(Collector):
 
 class SimMetrics:
     """The engine's registry: scheduler-backed gauges/counters plus TTFT and
-    inter-token-latency histograms (labels ``model_name``, ``engine``)."""
+    inter-token-latency histograms (labels ``model_name``, ``engine``), and one
+    series vLLM does not have, ``sim:requests_by_priority_total{priority}``
+    (requests received per ``priority`` value, so tests can see what was sent)."""
 
     def __init__(self, scheduler: Scheduler, model_name: str, engine: str = "0") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -101,6 +103,8 @@ class SimMetrics:
                              "Histogram of inter-token latency in seconds.",
                              _LABELS, registry=self.registry,
                              buckets=ITL_BUCKETS).labels(model_name, engine)
+        self.priority = Counter("sim:requests_by_priority", "Requests received by priority.",
+                                ["priority"], registry=self.registry)
 
     def render(self) -> bytes:
         """Prometheus text exposition format 0.0.4."""

@@ -58,6 +58,7 @@ class ParsedRequest:
         max_tokens: output tokens to generate, or None for the default.
         stream, include_usage: SSE streaming and the final usage chunk.
         cache_salt: prefix-cache isolation key (vLLM's ``cache_salt``).
+        priority: vLLM's ``priority`` (lower is earlier; 0 by default).
     """
 
     chat: bool
@@ -67,6 +68,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     cache_salt: str | None
+    priority: int = 0
 
 
 def render_chat(messages: list[dict[str, Any]]) -> str:
@@ -88,7 +90,7 @@ def _text(content: Any) -> str:
                        param="messages")
 
 
-def _common(body: Any, served_model: str) -> tuple[int | None, bool, bool, str | None]:
+def _common(body: Any, served_model: str) -> tuple[int | None, bool, bool, str | None, int]:
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     model = body.get("model")
@@ -118,12 +120,15 @@ def _common(body: Any, served_model: str) -> tuple[int | None, bool, bool, str |
         raise RequestError("Parameter 'cache_salt' must be a non-empty string of at most "
                            "128 characters without '@', '/', '\\\\' or NUL.",
                            param="cache_salt")
-    return max_tokens, stream, bool(opts.get("include_usage")), salt
+    priority = body.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise RequestError("priority must be an integer", param="priority")
+    return max_tokens, stream, bool(opts.get("include_usage")), salt, priority
 
 
 def parse_chat(body: Any, served_model: str) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` body; raises :class:`RequestError`."""
-    max_tokens, stream, include_usage, salt = _common(body, served_model)
+    max_tokens, stream, include_usage, salt, priority = _common(body, served_model)
     messages = body.get("messages")
     if (not isinstance(messages, list) or not messages
             or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -131,23 +136,24 @@ def parse_chat(body: Any, served_model: str) -> ParsedRequest:
         raise RequestError("messages must be a non-empty list of {role, content}",
                            param="messages")
     return ParsedRequest(True, render_chat(messages), None, max_tokens, stream,
-                         include_usage, salt)
+                         include_usage, salt, priority)
 
 
 def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     """Validate a ``/v1/completions`` body (prompt: a string, a one-string list or
     a list of token ids); raises :class:`RequestError`."""
-    max_tokens, stream, include_usage, salt = _common(body, served_model)
+    max_tokens, stream, include_usage, salt, priority = _common(body, served_model)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        return ParsedRequest(False, prompt, None, max_tokens, stream, include_usage, salt)
+        return ParsedRequest(False, prompt, None, max_tokens, stream, include_usage, salt,
+                             priority)
     if (isinstance(prompt, list) and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                     for t in prompt)):
         return ParsedRequest(False, None, list(prompt), max_tokens, stream, include_usage,
-                             salt)
+                             salt, priority)
     raise RequestError("prompt must be a non-empty string or list of token ids "
                        "(one prompt per request)", param="prompt")
 
@@ -182,9 +188,12 @@ def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(prompt: int, completion: int) -> dict[str, Any]:
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
+    """OpenAI usage; ``prompt_tokens_details.cached_tokens`` only when ``cached`` is
+    given (vLLM fills it with ``--enable-prompt-tokens-details``, else null)."""
+    details = None if cached is None else {"cached_tokens": cached}
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-            "completion_tokens": completion, "prompt_tokens_details": None}
+            "completion_tokens": completion, "prompt_tokens_details": details}
 
 
 def dumps(obj: Any) -> bytes:
@@ -227,11 +236,12 @@ class ResponseShape:
             choice["stop_reason"] = None
         return sse({**self._head(obj), "choices": [choice]})
 
-    def usage_chunk(self, prompt: int, completion: int) -> bytes:
+    def usage_chunk(self, prompt: int, completion: int, cached: int | None = None) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse({**self._head(obj), "choices": [], "usage": usage(prompt, completion)})
+        return sse({**self._head(obj), "choices": [],
+                    "usage": usage(prompt, completion, cached)})
 
-    def full(self, text: str, prompt: int, completion: int) -> bytes:
+    def full(self, text: str, prompt: int, completion: int, cached: int | None = None) -> bytes:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text,
                                               "tool_calls": []},
@@ -242,4 +252,4 @@ class ResponseShape:
                       "stop_reason": None}
             obj = "text_completion"
         return dumps({**self._head(obj), "choices": [choice],
-                      "usage": usage(prompt, completion)})
+                      "usage": usage(prompt, completion, cached)})

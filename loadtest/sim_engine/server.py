@@ -1,7 +1,9 @@
 """HTTP front of the simulated engine: vLLM's OpenAI-compatible routes over aiohttp.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not),
-``GET /health``, ``GET /v1/models``, ``GET /metrics``. A client that disconnects
+``GET /health``, ``GET /v1/models``, ``GET /metrics``, and the simulator's own
+``GET``/``POST /sim/speed`` (read or change the speed factor at run time: body
+``{"speed": 0.5}``; 400 unless it is a positive number). A client that disconnects
 aborts its request at once (the app must be served with
 ``handler_cancellation=True``, as :func:`serve` does): it stops counting as running
 and its KV blocks are freed, as vLLM aborts requests whose connection closed.
@@ -50,6 +52,8 @@ def create_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/sim/speed", _speed)
+    app.router.add_post("/sim/speed", _speed)
     app.cleanup_ctx.append(_engine_loop)
     return app
 
@@ -106,27 +110,42 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         else:
             n_prompt, hashes = _tokens_and_hashes(parsed, engine.profile.block_size)
         max_tokens = check_length(n_prompt, parsed.max_tokens, engine.profile.max_model_len)
+        if parsed.priority != 0 and engine.scheduler.policy != "priority":
+            # vllm/v1/engine/processor.py (process_inputs)
+            raise RequestError(f"Got priority {parsed.priority} but Priority scheduling is "
+                               "not enabled.", param="priority")
     except RequestError as exc:
         return _error(exc)
     shape = ResponseShape(chat, engine.model_name)
     wake = asyncio.Event()
-    req = SimRequest(shape.id, n_prompt, hashes, max_tokens, notify=wake.set)
+    req = SimRequest(shape.id, n_prompt, hashes, max_tokens, priority=parsed.priority,
+                     notify=wake.set)
+    engine.metrics.priority.labels(str(parsed.priority)).inc()
     engine.submit(req)
     try:
         if parsed.stream:
-            return await _stream(request, req, wake, shape, parsed.include_usage)
+            return await _stream(request, req, wake, shape, parsed.include_usage,
+                                 engine.prompt_tokens_details)
         while not req.done:
             await wake.wait()
             wake.clear()
         return web.Response(body=shape.full(output_text(0, req.num_output_tokens),
-                                            n_prompt, req.num_output_tokens),
+                                            n_prompt, req.num_output_tokens,
+                                            _cached(engine, req)),
                             content_type="application/json")
     finally:
         engine.abort(req)  # no-op once finished; frees blocks on disconnect/cancel
 
 
+def _cached(engine: SimEngine, req: SimRequest) -> int | None:
+    """Cached prompt tokens for the usage (None unless the engine reports prompt
+    token details)."""
+    return req.num_cached_tokens if engine.prompt_tokens_details else None
+
+
 async def _stream(request: web.Request, req: SimRequest, wake: asyncio.Event,
-                  shape: ResponseShape, include_usage: bool) -> web.StreamResponse:
+                  shape: ResponseShape, include_usage: bool,
+                  details: bool) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
@@ -146,10 +165,25 @@ async def _stream(request: web.Request, req: SimRequest, wake: asyncio.Event,
         if req.done:
             break
     if req.status is Status.FINISHED:
-        tail = shape.usage_chunk(req.num_prompt_tokens, sent) if include_usage else b""
+        tail = shape.usage_chunk(req.num_prompt_tokens, sent,
+                                 req.num_cached_tokens if details else None) \
+            if include_usage else b""
         await resp.write(tail + SSE_DONE)
     await resp.write_eof()
     return resp
+
+
+async def _speed(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if request.method == "POST":
+        try:
+            speed = (await request.json()).get("speed")
+        except (ValueError, AttributeError):
+            speed = None
+        if isinstance(speed, bool) or not isinstance(speed, int | float) or not speed > 0:
+            return _error(RequestError("speed must be a positive number", param="speed"))
+        engine.set_speed(float(speed))
+    return web.json_response({"speed": engine.speed})
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -75,7 +75,7 @@ def test_bounded_under_outliers_zero_and_negative_samples() -> None:
     rng = random.Random(3)
     feed(model, rng, 200, **TRUE)
     good = model.params()
-    for i in range(30):
+    for _ in range(30):
         # a few absurd samples (a stalled engine, a clock jump), zeros, negatives, NaN
         assert model.observe_tpot(50.0, 5, 0) is True
         assert model.observe_tpot(0.0, 5, 0) is False
