@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from limits.engine_latency import EngineLatency
+
 
 class EngineState(enum.Enum):
     """Life cycle: starting → ready ⇄ unhealthy → restarting → starting …;
@@ -72,6 +74,11 @@ class Engine:
         upstream_failures: requests in a row that timed out before their first token
             or could not connect (the gateway resets it on a success); at the
             supervisor's ``failure_threshold`` the engine's probes count as failed.
+        priority_scheduling: runs vLLM's ``--scheduling-policy priority`` (the
+            gateway forwards the band as ``priority``).
+        cost_per_hour: the spec's price per replica-hour, or None.
+        latency: its learned latency model and request ledger (the adaptive
+            admission), or None while adaptive admission is off.
     """
 
     id: str
@@ -85,6 +92,9 @@ class Engine:
     restarts: int = 0
     upstream_failures: int = 0
     labels: dict[str, str] = field(default_factory=dict)
+    priority_scheduling: bool = False
+    cost_per_hour: float | None = None
+    latency: EngineLatency | None = None
 
     @property
     def routable(self) -> bool:

@@ -128,7 +128,9 @@ class Supervisor:
                     taken.add(port)
                     base_url = f"http://{spec.host}:{port}"
                 engine = Engine(id=engine_id, model=spec.model, base_url=base_url,
-                                labels={"spec": spec.name, "kind": spec.kind})
+                                labels={"spec": spec.name, "kind": spec.kind},
+                                priority_scheduling=spec.priority_scheduling,
+                                cost_per_hour=spec.cost_per_hour)
                 self.pool.add(engine)
                 self.runners.append(EngineRunner(
                     engine, spec, port, sup, self.pool, self.session, command=command,

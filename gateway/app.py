@@ -20,7 +20,7 @@ from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from cache.service import open_cache
-from config.schema import Config
+from config.schema import PRIORITIES, Config
 from engines.pool import EnginePool
 from engines.scheduler import Scheduler
 from engines.supervisor import Supervisor
@@ -112,7 +112,8 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
         return app[DIRECTOR].queues if DIRECTOR in app else {}
 
     metrics.registry.register(FleetCollector(
-        app[POOL], queues, metrics, lambda: getattr(app.get(STORE), "failovers", 0)))
+        app[POOL], queues, metrics, lambda: getattr(app.get(STORE), "failovers", 0),
+        min(cfg.gateway.slo.target(p).tpot_s for p in PRIORITIES)))
     app[STATS] = StatsFeed(metrics, app[POOL], queues,
                            lambda: app[RELOADER].history if app.get(RELOADER) else ())
 

@@ -10,6 +10,7 @@ in success, error, timeout or client disconnect.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from opentelemetry.trace import SpanKind
 from cache.policy import request_cacheable
 from cache.replay import as_json, as_sse
 from cache.service import CacheHit, CacheRequest, ResponseCache
-from config.schema import Config, DegradationConfig, TenantQuota
+from config.schema import PRIORITIES, Config, DegradationConfig, Priority, TenantQuota
+from engines.plugins import engine_load
 from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, PromptInput, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
@@ -30,7 +32,10 @@ from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
 from gateway.record import RequestRecord
 from gateway.tracing import Spans, inject_traceparent
 from limits.admission import AdmissionQueue
+from limits.clock import MonotonicClock
 from limits.degrade import DEGRADED_HEADER, degrade
+from limits.engine_latency import EngineLatency, Flight
+from limits.latency_model import LatencyModel
 from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter, Reservation
 from limits.saturation import SaturationDetector, kv_blocks
@@ -46,11 +51,13 @@ NO_ENGINE_RETRY_S = 5
 
 @dataclass
 class Placement:
-    """An engine lease taken for one request: ``blocks`` promised KV blocks."""
+    """An engine lease taken for one request: ``blocks`` promised KV blocks;
+    ``flight`` its entry in the engine's latency ledger (adaptive admission)."""
 
     engine: Engine
     blocks: int
     scores: dict[str, float]
+    flight: Flight | None = None
 
 
 def _request_timeout(request: web.Request) -> float | None:
@@ -106,6 +113,16 @@ class Director:
                         and all(s.accepts_cache_salt for s in cfg.engines.engines if s.model == m)}
         self.default_output_tokens = cfg.gateway.default_output_tokens
         self._background: set[asyncio.Task[object]] = set()
+        self.slo = cfg.gateway.slo
+        self.adaptive = cfg.engines.saturation.adaptive
+        if self.adaptive.enabled:
+            clock = MonotonicClock()
+            for e in pool.engines:
+                e.latency = EngineLatency(
+                    LatencyModel(forgetting=self.adaptive.forgetting,
+                                 min_samples=self.adaptive.min_samples,
+                                 max_rel_error=self.adaptive.max_rel_error),
+                    clock, z=self.adaptive.confidence_z)
 
     # ------------------------------------------------------------------ checks
 
@@ -161,23 +178,74 @@ class Director:
                             blocks=blocks, block_size=self.prompts.block_size(req.model),
                             session_id=request.headers.get("x-session-id") or None)
 
+    def _uncached(self, engine: Engine, sreq: SchedRequest, now: float) -> int:
+        """Prompt tokens ``engine`` must compute for ``sreq``: the prompt less the
+        leading blocks its prefix index says the engine holds."""
+        hit = self.scheduler.index.match(engine, sreq.blocks, now) if sreq.blocks else 0
+        return max(0, sreq.prompt_tokens - hit * sreq.block_size)
+
+    def _within_slo(self, engines: list[Engine], all_ready: list[Engine], sreq: SchedRequest,
+                    priority: Priority, waited_s: float, now: float) -> list[Engine]:
+        """The engines predicted to serve the request within its band's SLO
+        (:func:`limits.engine_latency.decide`).
+
+        Raises:
+            Rejected: ``OVERLOADED`` (reason ``predicted_miss``) when, with every
+                engine's model trusted, even an engine with no prefill queued would
+                start the request after its TTFT target because of the time it has
+                already waited (it could have met it on arrival): serving it late
+                would only take capacity from requests that can still make theirs.
+        """
+        target = self.slo.target(priority)
+        budget = target.ttft_s - waited_s
+        z = self.adaptive.confidence_z
+        best = math.inf
+        for e in all_ready:
+            lat = e.latency
+            if lat is None or not lat.model.confident:
+                best = -math.inf
+                break
+            best = min(best, lat.model.predict_ttft(self._uncached(e, sreq, now),
+                                                    lat.decoding).upper(z))
+        if budget < best <= target.ttft_s:
+            raise Rejected(Outcome.OVERLOADED,
+                           f"no engine can start this {priority} request within its "
+                           f"{target.ttft_s:g} s TTFT target any more; shed",
+                           retry_after_s=self.queues[sreq.model].retry_after_s(),
+                           reason="predicted_miss")
+        return [e for e in engines if e.latency is None or e.latency.decide(
+            self._uncached(e, sreq, now), budget, target.tpot_s, engine_load(e)).admit]
+
     def _place(self, req: InferenceRequest, tenant: TenantQuota, sreq: SchedRequest,
-               exclude: frozenset[str] = frozenset()) -> Placement | None:
+               exclude: frozenset[str] = frozenset(), arrived: float | None = None,
+               ) -> Placement | None:
         """Choose an engine with room and take its lease, or None (synchronous: the
-        admission queue calls it)."""
+        admission queue calls it). ``arrived``: the request's arrival (monotonic s),
+        from which its TTFT target counts."""
         candidates = self._candidates(req, tenant, exclude)
+        now = time.monotonic()
+        if candidates and self.adaptive.enabled and arrived is not None:
+            ready = [e for e in self.pool.for_model(req.model) if e.routable]
+            candidates = self._within_slo(candidates, ready, sreq, tenant.priority,
+                                          now - arrived, now)
         if not candidates:
             return None
-        now = time.monotonic()
         decision = self.scheduler.pick(sreq, candidates, now)
         if decision is None:
             return None
-        blocks = kv_blocks(self._tokens(req), decision.engine.block_size)
-        self.pool.acquire(decision.engine, blocks)
-        self.scheduler.record(sreq, decision.engine, now)
-        return Placement(decision.engine, blocks, decision.scores)
+        engine = decision.engine
+        blocks = kv_blocks(self._tokens(req), engine.block_size)
+        flight = None
+        if engine.latency is not None:
+            flight = engine.latency.sent(self._uncached(engine, sreq, now), sreq.prompt_tokens,
+                                         self.slo.target(tenant.priority).tpot_s)
+        self.pool.acquire(engine, blocks)
+        self.scheduler.record(sreq, engine, now)
+        return Placement(engine, blocks, decision.scores, flight)
 
     def _release(self, placement: Placement) -> None:
+        if placement.flight is not None and placement.engine.latency is not None:
+            placement.engine.latency.finished(placement.flight, ok=False)  # no-op if done
         self.pool.release(placement.engine, placement.blocks)
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
@@ -340,13 +408,15 @@ class Director:
         queue = self.queues[req.model]
         ticket = queue.ticket(tenant, self._tokens(req), request_id=rec.request_id,
                               timeout_s=timeout_s)
+        arrived = time.monotonic() - (time.perf_counter() - rec.started)
         with self.spans("queue.wait") as span:
             span.set_attribute("sluice.priority", tenant.priority)
             span.set_attribute("sluice.queue_depth", len(queue))
             waited_from = time.perf_counter()
             try:
-                placement = await queue.admit(ticket, lambda _t: self._place(req, tenant, sreq),
-                                              self._release)
+                placement = await queue.admit(
+                    ticket, lambda _t: self._place(req, tenant, sreq, arrived=arrived),
+                    self._release)
             finally:
                 rec.queue_s = time.perf_counter() - waited_from
         tried: set[str] = set()
@@ -366,8 +436,19 @@ class Director:
                     upstream = {"x-request-id": rec.request_id}
                     if self.spans.enabled:
                         inject_traceparent(upstream)
-                    result = await self.client.send(placement.engine, req, request, headers,
-                                                    upstream)
+                    engine, flight = placement.engine, placement.flight
+                    first = functools.partial(engine.latency.first_token, flight) \
+                        if engine.latency is not None and flight is not None else None
+                    priority = PRIORITIES.index(tenant.priority) \
+                        if engine.priority_scheduling else None
+                    result = await self.client.send(engine, req, request, headers, upstream,
+                                                    on_first_token=first, priority=priority)
+                if engine.latency is not None and flight is not None:
+                    rec.predicted_ttft_s = flight.predicted_ttft_s
+                    engine.latency.finished(
+                        flight, completion_tokens=result.completion_tokens,
+                        prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
+                        ok=result.outcome is Outcome.OK and req.stream)
                 placement.engine.upstream_failures = 0
                 rec.outcome, rec.ttft_s = result.outcome, result.ttft_s
                 rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens
@@ -378,7 +459,7 @@ class Director:
                     placement.engine.upstream_failures += 1  # the supervisor's probes read it
                 tried.add(placement.engine.id)
                 retry = failed.retryable and len(tried) < self.cfg.gateway.retry_attempts
-                nxt = self._place(req, tenant, sreq, frozenset(tried)) if retry else None
+                nxt = self._place(req, tenant, sreq, frozenset(tried), arrived) if retry else None
                 if nxt is None:
                     raise self._final_error(req, failed) from None
             except asyncio.CancelledError:

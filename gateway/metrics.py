@@ -29,6 +29,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+#: |TTFT̂ − TTFT| / TTFT: the issue's goals are at 0.2 (p50) and 0.5 (p90).
+REL_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5)
 #: Outcomes counted in ``sluice_rejected_total``: admission control said no (rate
 #: limited, shed, queue timeout, no engine, over the tenant's prompt limit). Bad keys
 #: and bad requests are not load and show only in ``sluice_requests_total``.
@@ -63,6 +65,10 @@ class GatewayMetrics:
                               ["model", "engine"], buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("sluice_tpot_seconds", "Time per output token after the first.",
                               ["model", "engine"], buckets=TPOT_BUCKETS, registry=r)
+        self.ttft_error = Histogram(
+            "sluice_predicted_ttft_error", "Relative error |TTFT predicted - TTFT| / TTFT of "
+            "the adaptive admission's prediction, streamed requests.", ["model", "engine"],
+            buckets=REL_ERROR_BUCKETS, registry=r)
         self.queue_wait = Histogram("sluice_queue_wait_seconds", "Wait in the admission queue.",
                                     ["model", "priority"], buckets=QUEUE_BUCKETS, registry=r)
         self.rejected = Counter("sluice_rejected", "Requests refused, shed or rate limited.",
@@ -104,6 +110,9 @@ class GatewayMetrics:
         self.duration.labels(model, engine).observe(rec.duration_s)
         if rec.ttft_s is not None:
             self.ttft.labels(model, engine).observe(rec.ttft_s)
+            if rec.predicted_ttft_s is not None and rec.stream and rec.ttft_s > 0:
+                self.ttft_error.labels(model, engine).observe(
+                    abs(rec.predicted_ttft_s - rec.ttft_s) / rec.ttft_s)
         tpot = rec.tpot_s
         if tpot is not None:
             self.tpot.labels(model, engine).observe(tpot)
@@ -132,11 +141,35 @@ class FleetCollector(Collector):
             {priority: n}`` (the admission queues; empty before start-up).
         metrics: for the per-engine prefix-match ratio.
         failovers: returns the counter store's Redis failover count (0 without Redis).
+        tpot_target_s: the tightest TPOT target of the SLO bands, s (the target of the
+            reported concurrency limit).
     """
 
     def __init__(self, pool: EnginePool, queues: Callable[[], Mapping[str, Any]],
-                 metrics: GatewayMetrics, failovers: Callable[[], int]) -> None:
+                 metrics: GatewayMetrics, failovers: Callable[[], int],
+                 tpot_target_s: float = 0.1) -> None:
         self.pool, self.queues, self.metrics, self.failovers = pool, queues, metrics, failovers
+        self.tpot_target_s = tpot_target_s
+
+    def _adaptive(self) -> Iterator[Any]:
+        limit = GaugeMetricFamily(
+            "sluice_engine_concurrency_limit", "Learned requests in flight per engine that "
+            "keep the tightest TPOT target (the knee).", labels=["engine", "model"])
+        mode = GaugeMetricFamily(
+            "sluice_engine_admission_mode", "1 for the active admission controller: model "
+            "(fitted latency model) or gradient (fallback limiter).",
+            labels=["engine", "model", "mode"])
+        params = GaugeMetricFamily(
+            "sluice_engine_latency_param", "Fitted latency-model parameter (s, s/token or "
+            "s/sequence; limits.latency_model).", labels=["engine", "model", "param"])
+        for e in self.pool.engines:
+            if e.latency is None:
+                continue
+            limit.add_metric([e.id, e.model], e.latency.limit(self.tpot_target_s))
+            mode.add_metric([e.id, e.model, e.latency.mode], 1.0)
+            for name, value in e.latency.model.params().items():
+                params.add_metric([e.id, e.model, name], float(value))
+        yield from (limit, mode, params)
 
     def collect(self) -> Iterator[Any]:
         up = GaugeMetricFamily("sluice_engine_up", "1 if the engine is ready (routable).",
@@ -181,3 +214,4 @@ class FleetCollector(Collector):
         failovers.add_metric([], self.failovers())
         yield from (up, kv, running, waiting, in_flight, restarts, prefix, depth, queued,
                     failovers)
+        yield from self._adaptive()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,8 @@ class ProxyResult:
         prompt_tokens / completion_tokens: from the engine's usage; for a stream cut
             short, the estimate and the content chunks streamed so far.
         ttft_s: seconds from sending to the first generated output, or None.
+        cached_tokens: ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens
+            the engine's prefix cache served), or None when it did not report it.
         answer: the complete answer as a non-streaming body (for the cache), or None
             if it did not finish normally.
     """
@@ -80,12 +82,19 @@ class ProxyResult:
     ttft_s: float | None
     answer: dict[str, Any] | None
     finish_reasons: list[str]
+    cached_tokens: int | None = None
 
 
 def _usage(usage: Mapping[str, Any] | None, prompt_est: int, streamed: int) -> tuple[int, int]:
     if usage:
         return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
     return prompt_est, streamed
+
+
+def _cached_tokens(usage: Mapping[str, Any] | None) -> int | None:
+    details = (usage or {}).get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 
 def _upstream_rejection(status: int, raw: bytes) -> Rejected:
@@ -114,20 +123,24 @@ class EngineClient:
             total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s
         )
 
-    def _upstream_body(self, req: InferenceRequest) -> bytes:
+    def _upstream_body(self, req: InferenceRequest, priority: int | None) -> bytes:
         body = req.body
+        if priority is not None or "priority" in body:  # the band decides, not the client
+            body = {k: v for k, v in body.items() if k != "priority"}
+            if priority is not None:
+                body["priority"] = priority
         if req.stream:
             opts = dict(body.get("stream_options") or {})
             opts["include_usage"] = True
             body = {**body, "stream_options": opts}
         return json.dumps(body, ensure_ascii=False).encode()
 
-    async def _open(self, engine: Engine, req: InferenceRequest,
-                    headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+    async def _open(self, engine: Engine, req: InferenceRequest, headers: Mapping[str, str],
+                    priority: int | None) -> aiohttp.ClientResponse:
         try:
             resp = await self.session.post(
                 engine.base_url + PATHS[req.endpoint],
-                data=self._upstream_body(req),
+                data=self._upstream_body(req, priority),
                 headers={"Content-Type": "application/json", **headers},
                 timeout=self._client_timeout,
             )
@@ -149,8 +162,13 @@ class EngineClient:
 
     async def send(self, engine: Engine, req: InferenceRequest, request: web.Request,
                    response_headers: Mapping[str, str],
-                   upstream_headers: Mapping[str, str] = {}) -> ProxyResult:
-        """Send ``req`` to ``engine`` and relay the answer to ``request``'s client.
+                   upstream_headers: Mapping[str, str] = {},
+                   on_first_token: Callable[[], None] | None = None,
+                   priority: int | None = None) -> ProxyResult:
+        """Send ``req`` to ``engine`` and relay the answer to ``request``'s client;
+        ``on_first_token`` is called when the first generated output arrives (for a
+        non-streaming answer: when the whole answer arrives). ``priority``: vLLM's
+        ``priority`` field to send (a client's own ``priority`` is never forwarded).
 
         Raises:
             UpstreamFailed: nothing was sent to the client yet (retry is safe).
@@ -162,7 +180,7 @@ class EngineClient:
         try:
             async with asyncio.timeout(self.timeouts.first_token_s if req.stream
                                        else self.timeouts.non_stream_s):
-                resp = await self._open(engine, req, upstream_headers)
+                resp = await self._open(engine, req, upstream_headers, priority)
                 if not req.stream:
                     raw = await resp.read()
         except TimeoutError:
@@ -173,9 +191,12 @@ class EngineClient:
             raise UpstreamFailed(Outcome.UPSTREAM_ERROR, f"engine {engine.id} failed: {e}",
                                  retryable=True) from None
         if not req.stream:
+            if on_first_token is not None:
+                on_first_token()
             return self._finish_json(req, raw, start, response_headers)
         try:
-            return await self._relay_stream(engine, req, resp, request, start, response_headers)
+            return await self._relay_stream(engine, req, resp, request, start, response_headers,
+                                            on_first_token)
         finally:
             resp.close()
 
@@ -194,11 +215,13 @@ class EngineClient:
             prompt_tokens=prompt, completion_tokens=completion,
             ttft_s=time.perf_counter() - start, answer=answer,
             finish_reasons=[r for r in reasons if r],
+            cached_tokens=_cached_tokens(answer.get("usage")),
         )
 
     async def _relay_stream(self, engine: Engine, req: InferenceRequest,
                             resp: aiohttp.ClientResponse, request: web.Request, start: float,
-                            headers: Mapping[str, str]) -> ProxyResult:
+                            headers: Mapping[str, str],
+                            on_first_token: Callable[[], None] | None) -> ProxyResult:
         t = self.timeouts
         loop = asyncio.get_running_loop()
         end_at = loop.time() + t.total_s if t.total_s else float("inf")
@@ -229,6 +252,8 @@ class EngineClient:
                     if ttft is None and (summary.content_chunks or summary.finish_reasons):
                         ttft = time.perf_counter() - start
                         trace.get_current_span().add_event("first_token")
+                        if on_first_token is not None:
+                            on_first_token()
                         first_wait = None
                     if not prepared:
                         await out.prepare(request)
@@ -271,5 +296,6 @@ class EngineClient:
             outcome=outcome, response=out, prompt_tokens=prompt, completion_tokens=completion,
             ttft_s=ttft, answer=summary.to_response() if outcome is Outcome.OK else None,
             finish_reasons=list(summary.finish_reasons.values()),
+            cached_tokens=_cached_tokens(summary.usage),
         )
 

@@ -19,7 +19,8 @@ class RequestRecord:
     """Times in seconds (``started`` is ``time.perf_counter()``); ``cache`` is
     ``hit-exact``, ``hit-semantic``, ``miss`` or ``bypass``; ``degraded`` lists the
     degradation actions applied (``max_tokens=256``, ``model=small``); ``reason`` is
-    the finer cause of a rejection (``requests_per_min``, ``queue_full``…)."""
+    the finer cause of a rejection (``requests_per_min``, ``queue_full``…);
+    ``predicted_ttft_s`` the adaptive admission's TTFT̂ at send time."""
 
     request_id: str
     path: str = ""
@@ -35,6 +36,7 @@ class RequestRecord:
     completion_tokens: int = 0
     queue_s: float | None = None
     ttft_s: float | None = None
+    predicted_ttft_s: float | None = None
     cache: str = "bypass"
     degraded: tuple[str, ...] = ()
     stream: bool = False

@@ -164,11 +164,14 @@ class EngineLatency:
         return self.model.predict_ttft(self.pending_prefill_tokens + uncached_tokens,
                                        self.decoding)
 
-    def decide(self, uncached_tokens: int, ttft_budget_s: float, tpot_target_s: float) -> Verdict:
-        """:func:`decide` for this engine's state."""
+    def decide(self, uncached_tokens: int, ttft_budget_s: float, tpot_target_s: float,
+               reported_load: int = 0) -> Verdict:
+        """:func:`decide` for this engine's state; ``reported_load`` (the engine's own
+        running + waiting count, which includes other gateway processes' requests)
+        replaces the ledger's in-flight count when larger."""
         return decide(self.model, uncached_tokens=uncached_tokens,
                       pending_prefill_tokens=self.pending_prefill_tokens,
-                      decoding=self.decoding, in_flight=self.in_flight,
+                      decoding=self.decoding, in_flight=max(self.in_flight, reported_load),
                       ttft_budget_s=ttft_budget_s, tpot_target_s=tpot_target_s,
                       tightest_running_tpot_s=self.tightest_tpot_s(), z=self.z,
                       limit=None if self.model.confident else self.gradient.limit)
@@ -205,10 +208,11 @@ class EngineLatency:
         flight.prefilled_at_first = self._prefilled
 
     def finished(self, flight: Flight, *, completion_tokens: int = 0,
-                 cached_tokens: int | None = None, ok: bool = True) -> None:
+                 prompt_tokens: int | None = None, cached_tokens: int | None = None,
+                 ok: bool = True) -> None:
         """``flight`` ended now (also on error or abort: then ``ok`` is False and
-        nothing is learned). ``cached_tokens``: the engine's
-        ``usage.prompt_tokens_details.cached_tokens`` when it reports it."""
+        nothing is learned). ``prompt_tokens`` and ``cached_tokens``: the engine's
+        usage (``usage.prompt_tokens_details.cached_tokens``) when it reports them."""
         if flight not in self.flights:
             return
         now = self.clock.now()
@@ -223,7 +227,8 @@ class EngineLatency:
         ttft = flight.first_at - flight.sent_at
         ahead = flight.ahead_tokens
         if cached_tokens is not None:  # the engine's count replaces the estimate
-            ahead += max(0, flight.prompt_tokens - cached_tokens) - flight.uncached_tokens
+            prompt = prompt_tokens or flight.prompt_tokens
+            ahead += max(0, prompt - cached_tokens) - flight.uncached_tokens
         if ttft > 0:
             self.ttft_errors.append(abs(flight.predicted_ttft_s - ttft) / ttft)
         self.model.observe_ttft(ttft, ahead, flight.decoding_at_send)
