@@ -209,3 +209,31 @@ def test_ledger_learns_batch_and_prefill_from_flights() -> None:
     eng.finished(b, ok=False)
     assert eng.in_flight == 0 and eng.decoding == 0 and eng.pending_prefill_tokens == 0
     assert len(eng.drain_errors()) == 1 and eng.drain_errors() == []
+
+
+# ----------------------------------------------------------------------------- scorer
+
+
+def test_predicted_ttft_scorer_weighs_cached_tokens_against_queued_prefill() -> None:
+    from engines.interfaces import SchedRequest
+    from engines.plugins import SCORERS, PredictedTtft
+    from engines.pool import Engine
+
+    assert SCORERS["predicted-ttft"] is PredictedTtft
+    clock = FakeClock()
+    engines = []
+    for name in ("a", "b", "c"):
+        e = Engine(id=name, model="m", base_url=f"http://{name}")
+        e.latency = EngineLatency(fitted(), clock)
+        engines.append(e)
+    engines[1].latency.sent(800, 800, 0.1)  # b has 800 prefill tokens queued
+    # a 400-token prompt (4 blocks of 100); c holds 3 of its blocks in its prefix cache
+    req = SchedRequest(model="m", tenant="t", prompt_tokens=400, blocks=(1, 2, 3, 4),
+                       block_size=100, prefix_matches={"c": 3})
+    scores = PredictedTtft().score(req, engines, 0.0)
+    # TTFT̂: a 66 + 476 ms, b 66 + 1428 ms, c 66 + 119 ms
+    assert scores[2] == 1.0
+    assert scores[0] == pytest.approx((0.066 + 0.119) / (0.066 + 0.476), rel=0.05)
+    assert scores[1] == pytest.approx((0.066 + 0.119) / (0.066 + 1.428), rel=0.05)
+    plain = [Engine(id="x", model="m", base_url="http://x")]
+    assert PredictedTtft().score(req, plain, 0.0) == [1.0]
