@@ -430,6 +430,8 @@ class Director:
                        "x-sluice-queue-ms": f"{rec.queue_s * 1000:.1f}", "x-sluice-cache": rec.cache}
             if rec.degraded:
                 headers[DEGRADED_HEADER] = ", ".join(rec.degraded)
+            if placement.flight is not None:
+                headers["x-sluice-ttft-predicted-ms"] = f"{placement.flight.predicted_ttft_s * 1000:.1f}"
             try:
                 with self.spans("upstream", kind=SpanKind.CLIENT) as span:
                     span.set_attribute("sluice.engine", placement.engine.id)
