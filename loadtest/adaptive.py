@@ -136,6 +136,9 @@ async def probe(session: aiohttp.ClientSession, engines: Engines, args: argparse
                                         args.probe_duration, args.probe_warmup))
         print(f"probe b={b}: {probes[-1]}", file=sys.stderr, flush=True)
     best = max(probes, key=lambda r: r["goodput"])
+    if best["goodput"] <= 0:
+        raise RuntimeError(f"no probe finished a request within the SLO: {probes} (a probe "
+                           "shorter than one generation, or an overloaded machine)")
     return {"requests_per_s": best["goodput"], "per_engine": best["per_engine"],
             "probes": probes}
 
