@@ -34,7 +34,7 @@ from gateway.tracing import Spans, inject_traceparent
 from limits.admission import AdmissionQueue
 from limits.clock import MonotonicClock
 from limits.degrade import DEGRADED_HEADER, degrade
-from limits.engine_latency import EngineLatency, Flight
+from limits.engine_latency import BandDemand, EngineLatency, Flight
 from limits.latency_model import LatencyModel
 from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter, Reservation
@@ -115,8 +115,10 @@ class Director:
         self._background: set[asyncio.Task[object]] = set()
         self.slo = cfg.gateway.slo
         self.adaptive = cfg.engines.saturation.adaptive
+        clock = MonotonicClock()
+        #: per model, each band's expected occupancy (room kept for urgent bands)
+        self._demand = {m: BandDemand(clock, PRIORITIES) for m in queues}
         if self.adaptive.enabled:
-            clock = MonotonicClock()
             for e in pool.engines:
                 e.latency = EngineLatency(
                     LatencyModel(forgetting=self.adaptive.forgetting,
@@ -213,8 +215,11 @@ class Director:
                            f"{target.ttft_s:g} s TTFT target any more; shed",
                            retry_after_s=self.queues[sreq.model].retry_after_s(),
                            reason="predicted_miss")
+        band = PRIORITIES.index(priority)
+        urgent = self._demand[sreq.model].urgent_occupancy(priority) / max(1, len(all_ready))
         return [e for e in engines if e.latency is None or e.latency.decide(
-            self._uncached(e, sreq, now), budget, target.tpot_s, engine_load(e)).admit]
+            self._uncached(e, sreq, now), budget, target.tpot_s, engine_load(e),
+            max(0.0, urgent - e.latency.urgent_in_flight(band))).admit]
 
     def _place(self, req: InferenceRequest, tenant: TenantQuota, sreq: SchedRequest,
                exclude: frozenset[str] = frozenset(), arrived: float | None = None,
@@ -238,15 +243,19 @@ class Director:
         flight = None
         if engine.latency is not None:
             flight = engine.latency.sent(self._uncached(engine, sreq, now), sreq.prompt_tokens,
-                                         self.slo.target(tenant.priority).tpot_s)
+                                         self.slo.target(tenant.priority).tpot_s,
+                                         PRIORITIES.index(tenant.priority))
         self.pool.acquire(engine, blocks)
         self.scheduler.record(sreq, engine, now)
         return Placement(engine, blocks, decision.scores, flight)
 
     def _release(self, placement: Placement) -> None:
-        if placement.flight is not None and placement.engine.latency is not None:
-            placement.engine.latency.finished(placement.flight, ok=False)  # no-op if done
-        self.pool.release(placement.engine, placement.blocks)
+        flight, engine = placement.flight, placement.engine
+        if flight is not None and engine.latency is not None:
+            engine.latency.finished(flight, ok=False)  # no-op if already finished
+            self._demand[engine.model].served(PRIORITIES[flight.band],
+                                              time.monotonic() - flight.sent_at)
+        self.pool.release(engine, placement.blocks)
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
         return Rejected(Outcome.NO_ENGINE,
@@ -403,6 +412,7 @@ class Director:
                            param="messages" if req.endpoint == "chat" else "prompt")
         max_wait = min(tenant.max_queue_wait_s or self.cfg.gateway.queue.default_max_wait_s,
                        timeout_s or math.inf)
+        self._demand[req.model].arrived(tenant.priority)
         self._degrade(req, tenant, rec, max_wait)
         sreq = await self._sched_request(request, req, tenant)
         queue = self.queues[req.model]

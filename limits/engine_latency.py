@@ -10,9 +10,18 @@ The decision (:func:`decide`, pure): an engine takes a request when
    target less the time it already waited); a request whose TTFT̂ misses even with
    no prefill queued ahead of it is held until an engine has none queued (it gets
    the best service there is rather than never being admitted); and
-2. the predicted TPOT at one more request in flight, plus ``z`` σ, stays within the
-   tightest TPOT target among the requests already running there and the request's
-   own; an engine with nothing in flight always qualifies.
+2. the predicted TPOT at one more request in flight — plus the room kept for more
+   urgent bands (below) — plus ``z`` σ, stays within the tightest TPOT target among
+   the requests already running there and the request's own; an engine with nothing
+   in flight always qualifies.
+
+Room for more urgent bands: by Little's law a band occupies on average ``λ × S``
+requests in service (its arrival rate times its mean time on an engine); a request
+of a less urgent band leaves room for the share of that occupancy the band does not
+have on the engine yet (:class:`BandDemand`). Under overload the urgent bands thus
+find a free place on arrival instead of waiting for a whole generation to end (the
+queue already serves them first), and at light load the reserve is what they use
+anyway. This replaces a configured ``interactive_reserve``.
 
 The concurrency limit this implies (:meth:`EngineLatency.limit`) is the knee: the
 largest batch whose TPOT̂ meets the tightest target. While the model is not trusted
@@ -33,8 +42,10 @@ token meanwhile, per decode step.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from limits.drain_rate import DrainRate
 from limits.gradient import GradientLimiter
 from limits.interfaces import Clock
 from limits.latency_model import LatencyModel, Prediction
@@ -53,7 +64,8 @@ class Verdict:
 
 def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens: int,
            decoding: int, in_flight: int, ttft_budget_s: float, tpot_target_s: float,
-           tightest_running_tpot_s: float | None, z: float, limit: float | None = None) -> Verdict:
+           tightest_running_tpot_s: float | None, z: float, limit: float | None = None,
+           reserve: float = 0.0) -> Verdict:
     """Whether an engine takes a request (rules in the module docstring).
 
     Args:
@@ -69,6 +81,9 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
             s (None when none).
         z: standard deviations added to predictions (conservatism).
         limit: when given, the fallback concurrency limit replaces the TPOT rule.
+        reserve: requests of more urgent bands expected on this engine that are not
+            there yet (:class:`BandDemand`); the TPOT rule keeps room for them on top
+            of this request.
     """
     ttft = model.predict_ttft(pending_prefill_tokens + uncached_tokens, decoding)
     alone = model.predict_ttft(uncached_tokens, decoding)  # no prefill queued ahead
@@ -77,12 +92,51 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
     if in_flight == 0:
         return Verdict(True, ttft, None)
     if limit is not None:
-        return Verdict(in_flight < math.floor(limit), ttft, None,
-                       None if in_flight < math.floor(limit) else "tpot")
+        ok = in_flight + reserve < math.floor(limit)
+        return Verdict(ok, ttft, None, None if ok else "tpot")
     target = min(tpot_target_s, tightest_running_tpot_s or math.inf)
-    tpot = model.predict_tpot(in_flight + 1)
+    tpot = model.predict_tpot(in_flight + 1 + reserve)
     ok = tpot.upper(z) <= target
     return Verdict(ok, ttft, tpot, None if ok else "tpot")
+
+
+class BandDemand:
+    """Expected requests in service per priority band, from Little's law
+    (``L = λ × S``; Little, Operations Research 1961): ``λ`` an EWMA arrival rate
+    (:class:`~limits.drain_rate.DrainRate`) and ``S`` an EWMA of the time a request
+    of the band holds an engine.
+
+    Args:
+        clock: monotonic time, s.
+        bands: band names, most urgent first.
+        tau_s: time constant of the arrival rates, s (default 10).
+        alpha: EWMA weight of a new service time (default 0.1).
+    """
+
+    def __init__(self, clock: Clock, bands: Sequence[str], *, tau_s: float = 10.0,
+                 alpha: float = 0.1) -> None:
+        self.clock = clock
+        self.bands = list(bands)
+        self._rate = {b: DrainRate(tau_s) for b in self.bands}
+        self._service = dict.fromkeys(self.bands, 0.0)
+        self._alpha = alpha
+
+    def arrived(self, band: str) -> None:
+        """A request of ``band`` arrived (whatever becomes of it)."""
+        self._rate[band].add(self.clock.now())
+
+    def served(self, band: str, seconds: float) -> None:
+        """A request of ``band`` held an engine for ``seconds``."""
+        s = self._service[band]
+        self._service[band] = seconds if s == 0 else s + self._alpha * (seconds - s)
+
+    def occupancy(self, band: str) -> float:
+        """``λ × S`` of ``band``: requests of it in service on average."""
+        return self._rate[band].rate(self.clock.now()) * self._service[band]
+
+    def urgent_occupancy(self, band: str) -> float:
+        """Summed occupancy of the bands more urgent than ``band``."""
+        return sum(self.occupancy(b) for b in self.bands[:self.bands.index(band)])
 
 
 @dataclass(eq=False)
@@ -92,6 +146,7 @@ class Flight:
     Attributes:
         uncached_tokens: prompt tokens estimated not to hit the prefix cache.
         prompt_tokens: prompt tokens (the tokenizer's count).
+        band: index of its priority band (0 most urgent).
         tpot_target_s: its band's TPOT target, s.
         sent_at: clock time it was sent, s.
         ahead_tokens / decoding_at_send: TTFT features at send time.
@@ -102,6 +157,7 @@ class Flight:
 
     uncached_tokens: int
     prompt_tokens: int
+    band: int
     tpot_target_s: float
     sent_at: float
     ahead_tokens: int
@@ -164,17 +220,22 @@ class EngineLatency:
         return self.model.predict_ttft(self.pending_prefill_tokens + uncached_tokens,
                                        self.decoding)
 
+    def urgent_in_flight(self, band: int) -> int:
+        """Requests in flight of bands more urgent than ``band``."""
+        return sum(1 for f in self.flights if f.band < band)
+
     def decide(self, uncached_tokens: int, ttft_budget_s: float, tpot_target_s: float,
-               reported_load: int = 0) -> Verdict:
+               reported_load: int = 0, reserve: float = 0.0) -> Verdict:
         """:func:`decide` for this engine's state; ``reported_load`` (the engine's own
         running + waiting count, which includes other gateway processes' requests)
-        replaces the ledger's in-flight count when larger."""
+        replaces the ledger's in-flight count when larger; ``reserve`` as there."""
         return decide(self.model, uncached_tokens=uncached_tokens,
                       pending_prefill_tokens=self.pending_prefill_tokens,
                       decoding=self.decoding, in_flight=max(self.in_flight, reported_load),
                       ttft_budget_s=ttft_budget_s, tpot_target_s=tpot_target_s,
                       tightest_running_tpot_s=self.tightest_tpot_s(), z=self.z,
-                      limit=None if self.model.confident else self.gradient.limit)
+                      limit=None if self.model.confident else self.gradient.limit,
+                      reserve=reserve)
 
     # ------------------------------------------------------------------ the ledger
 
@@ -182,13 +243,16 @@ class EngineLatency:
         self._integral += len(self.flights) * max(0.0, now - self._integral_at)
         self._integral_at = now
 
-    def sent(self, uncached_tokens: int, prompt_tokens: int, tpot_target_s: float) -> Flight:
-        """A request was placed on the engine; returns its handle."""
+    def sent(self, uncached_tokens: int, prompt_tokens: int, tpot_target_s: float,
+             band: int = 0) -> Flight:
+        """A request of priority ``band`` was placed on the engine; returns its
+        handle."""
         now = self.clock.now()
         self._advance(now)
         uncached_tokens = max(0, uncached_tokens)
         ahead = self.pending_prefill_tokens + uncached_tokens
-        flight = Flight(uncached_tokens, prompt_tokens, tpot_target_s, now, ahead, self.decoding,
+        flight = Flight(uncached_tokens, prompt_tokens, band, tpot_target_s, now, ahead,
+                        self.decoding,
                         self.model.predict_ttft(ahead, self.decoding).mean)
         self.flights.add(flight)
         self.pending_prefill_tokens += uncached_tokens

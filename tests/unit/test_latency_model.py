@@ -237,3 +237,36 @@ def test_predicted_ttft_scorer_weighs_cached_tokens_against_queued_prefill() -> 
     assert scores[1] == pytest.approx((0.066 + 0.119) / (0.066 + 1.428), rel=0.05)
     plain = [Engine(id="x", model="m", base_url="http://x")]
     assert PredictedTtft().score(req, plain, 0.0) == [1.0]
+
+
+def test_decide_keeps_room_for_more_urgent_bands() -> None:
+    model = fitted()
+    base = dict(uncached_tokens=100, pending_prefill_tokens=0, decoding=5, ttft_budget_s=1.0,
+                tpot_target_s=0.1, tightest_running_tpot_s=0.1, z=0.0, in_flight=8)
+    assert decide(model, **base).admit  # TPOT̂(9) = 80 ms
+    v = decide(model, reserve=6.0, **base)  # TPOT̂(15) = 104 ms
+    assert not v.admit and v.reason == "tpot"
+    assert not decide(model, limit=10.0, reserve=2.0, **base).admit
+    assert decide(model, limit=10.0, reserve=1.0, **base).admit
+
+
+def test_band_demand_is_arrival_rate_times_service_time() -> None:
+    from limits.engine_latency import BandDemand
+
+    clock = FakeClock()
+    d = BandDemand(clock, ("interactive", "standard", "batch"), tau_s=10.0)
+    for _ in range(200):  # 2 interactive and 1 standard request per second
+        clock.t += 0.5
+        d.arrived("interactive")
+        if int(clock.t * 2) % 2 == 0:
+            d.arrived("standard")
+        d.served("interactive", 4.0)
+        d.served("standard", 2.0)
+    assert d.occupancy("interactive") == pytest.approx(8.0, rel=0.1)
+    assert d.occupancy("standard") == pytest.approx(2.0, rel=0.1)
+    assert d.urgent_occupancy("interactive") == 0
+    assert d.urgent_occupancy("batch") == pytest.approx(10.0, rel=0.1)
+    eng = EngineLatency(LatencyModel(), clock)
+    eng.sent(10, 10, 0.1, band=0)
+    eng.sent(10, 10, 0.1, band=2)
+    assert eng.urgent_in_flight(2) == 1 and eng.urgent_in_flight(0) == 0
