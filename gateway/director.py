@@ -31,6 +31,7 @@ from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_req
 from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
 from gateway.record import RequestRecord
 from gateway.tracing import Spans, inject_traceparent
+from limits import capacity
 from limits.admission import AdmissionQueue
 from limits.clock import MonotonicClock
 from limits.degrade import DEGRADED_HEADER, degrade
@@ -118,6 +119,8 @@ class Director:
         clock = MonotonicClock()
         #: per model, each band's expected occupancy (room kept for urgent bands)
         self._demand = {m: BandDemand(clock, PRIORITIES) for m in queues}
+        #: per model, the mix of finished requests (the capacity report)
+        self.mix = {m: capacity.MixTracker() for m in queues}
         if self.adaptive.enabled:
             for e in pool.engines:
                 e.latency = EngineLatency(
@@ -299,6 +302,36 @@ class Director:
             degrade(original, priority=tenant.priority, config=dcfg, level=rungs + 1,
                     retry_after_s=queue.retry_after_s())
 
+    # ------------------------------------------------------------------ capacity
+
+    def _views(self, model: str) -> list[capacity.EngineView]:
+        return [capacity.EngineView(e.id, e.labels.get("spec", e.id), e.latency.model,
+                                    e.latency.mode, e.block_size, e.num_blocks, e.cost_per_hour)
+                for e in self.pool.for_model(model) if e.latency is not None]
+
+    def capacity(self, model: str, target_rate: float | None) -> dict[str, object]:
+        """``GET /admin/capacity`` for one model (:func:`limits.capacity.report`);
+        before any request finished, the mix is empty and the report says so."""
+        mix = self.mix[model].mix()
+        if mix is None:
+            return {"model": model, "mix": None, "engines": [], "target_rate": target_rate}
+        slo = {p: (self.slo.target(p).ttft_s, self.slo.target(p).tpot_s) for p in PRIORITIES}
+        rep = capacity.report(self._views(model), mix, slo, self.adaptive.confidence_z,
+                              target_rate)
+        return {"model": model, **rep}
+
+    def desired_engines(self, model: str) -> float | None:
+        """Engines the model's current arrival rate needs (the HPA metric), or None
+        before any request finished."""
+        mix = self.mix[model].mix()
+        if mix is None:
+            return None
+        rate = sum(self._demand[model].rate(p) for p in PRIORITIES)
+        tight = min(PRIORITIES, key=lambda p: self.slo.target(p).tpot_s)
+        t = self.slo.target(tight)
+        return capacity.desired_engines(self._views(model), mix, t.ttft_s, t.tpot_s,
+                                        self.adaptive.confidence_z, rate)
+
     # ------------------------------------------------------------------ pipeline
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -457,6 +490,11 @@ class Director:
                                                     on_first_token=first, priority=priority)
                 if engine.latency is not None and flight is not None:
                     rec.predicted_ttft_s = flight.predicted_ttft_s
+                    if result.outcome is Outcome.OK:
+                        self.mix[engine.model].observe(
+                            result.prompt_tokens, flight.uncached_tokens if result.cached_tokens
+                            is None else max(0, result.prompt_tokens - result.cached_tokens),
+                            result.completion_tokens)
                     engine.latency.finished(
                         flight, completion_tokens=result.completion_tokens,
                         prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,

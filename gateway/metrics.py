@@ -14,6 +14,7 @@ similar 10 ms – 2.5 s range, vllm/v1/metrics/loggers.py).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -82,6 +83,8 @@ class GatewayMetrics:
         self.reloads = Counter("sluice_config_reloads", "Configuration reloads.", ["result"],
                                registry=r)
         self._prefix: dict[str, list[float]] = {}  # engine id -> [sum of ratios, count]
+        #: output tokens per engine id (cost metrics)
+        self.output_tokens: dict[str, int] = {}
 
     def _model(self, model: str | None) -> str:
         return model if model in self.models else "unknown"
@@ -107,6 +110,9 @@ class GatewayMetrics:
             return
         self.tokens.labels(rec.tenant, model, "prompt").inc(rec.prompt_tokens)
         self.tokens.labels(rec.tenant, model, "completion").inc(rec.completion_tokens)
+        if rec.engine:
+            self.output_tokens[rec.engine] = self.output_tokens.get(rec.engine, 0) \
+                + rec.completion_tokens
         self.duration.labels(model, engine).observe(rec.duration_s)
         if rec.ttft_s is not None:
             self.ttft.labels(model, engine).observe(rec.ttft_s)
@@ -143,13 +149,18 @@ class FleetCollector(Collector):
         failovers: returns the counter store's Redis failover count (0 without Redis).
         tpot_target_s: the tightest TPOT target of the SLO bands, s (the target of the
             reported concurrency limit).
+        desired_engines: model → engines its arrival rate needs (the capacity model),
+            or None when unknown.
     """
 
     def __init__(self, pool: EnginePool, queues: Callable[[], Mapping[str, Any]],
                  metrics: GatewayMetrics, failovers: Callable[[], int],
-                 tpot_target_s: float = 0.1) -> None:
+                 tpot_target_s: float = 0.1,
+                 desired_engines: Callable[[str], float | None] = lambda m: None) -> None:
         self.pool, self.queues, self.metrics, self.failovers = pool, queues, metrics, failovers
         self.tpot_target_s = tpot_target_s
+        self.desired_engines = desired_engines
+        self.started = time.monotonic()
 
     def _adaptive(self) -> Iterator[Any]:
         limit = GaugeMetricFamily(
@@ -169,7 +180,31 @@ class FleetCollector(Collector):
             mode.add_metric([e.id, e.model, e.latency.mode], 1.0)
             for name, value in e.latency.model.params().items():
                 params.add_metric([e.id, e.model, name], float(value))
-        yield from (limit, mode, params)
+        desired = GaugeMetricFamily(
+            "sluice_capacity_desired_engines", "Engines the current arrival rate needs at "
+            "the learned per-engine throughput (the HPA metric).", labels=["model"])
+        for model in self.queues():
+            n = self.desired_engines(model)
+            if n is not None:
+                desired.add_metric([model], n)
+        yield from (limit, mode, params, desired)
+
+    def _cost(self) -> Iterator[Any]:
+        """Output tokens per engine-hour and, with ``cost_per_hour``, cost per 1,000
+        output tokens, since this gateway started (the cost class of serving metrics)."""
+        per_hour = GaugeMetricFamily(
+            "sluice_engine_output_tokens_per_hour", "Output tokens per engine-hour since "
+            "the gateway started.", labels=["engine", "model"])
+        cost = GaugeMetricFamily(
+            "sluice_engine_cost_per_1k_output_tokens", "cost_per_hour x hours / output "
+            "tokens x 1000, since the gateway started.", labels=["engine", "model"])
+        hours = max(time.monotonic() - self.started, 1e-9) / 3600
+        for e in self.pool.engines:
+            tokens = self.metrics.output_tokens.get(e.id, 0)
+            per_hour.add_metric([e.id, e.model], tokens / hours)
+            if e.cost_per_hour is not None and tokens:
+                cost.add_metric([e.id, e.model], e.cost_per_hour * hours / tokens * 1000)
+        yield from (per_hour, cost)
 
     def collect(self) -> Iterator[Any]:
         up = GaugeMetricFamily("sluice_engine_up", "1 if the engine is ready (routable).",
@@ -215,3 +250,4 @@ class FleetCollector(Collector):
         yield from (up, kv, running, waiting, in_flight, restarts, prefix, depth, queued,
                     failovers)
         yield from self._adaptive()
+        yield from self._cost()

@@ -130,6 +130,10 @@ class BandDemand:
         s = self._service[band]
         self._service[band] = seconds if s == 0 else s + self._alpha * (seconds - s)
 
+    def rate(self, band: str) -> float:
+        """Arrivals of ``band`` per second."""
+        return self._rate[band].rate(self.clock.now())
+
     def occupancy(self, band: str) -> float:
         """``λ × S`` of ``band``: requests of it in service on average."""
         return self._rate[band].rate(self.clock.now()) * self._service[band]

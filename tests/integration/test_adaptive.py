@@ -7,6 +7,9 @@ forwarded as vLLM's ``priority`` only to the engine configured with
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -115,6 +118,21 @@ async def test_learned_limits_order_with_speed_fall_when_slowed_and_priority_is_
 
             await wait_for(learned, 90, "learned limits ordered as the speeds")
             before = dict(seen)
+            m = await scrape(session, gateway.url)
+            assert m['sluice_predicted_ttft_error_count{engine="fast",model="sim-model"}'] > 0
+            assert m['sluice_engine_latency_param{engine="slow",model="sim-model",'
+                     'param="step_s_per_seq"}'] > 0
+            # the capacity report agrees, through the CLI
+            out = subprocess.run(
+                [sys.executable, "-m", "gateway.cli", "capacity", "--url", gateway.url,
+                 "--rate", "20", "--json"], capture_output=True, text=True, timeout=30)
+            assert out.returncode == 0, out.stderr
+            (report,) = json.loads(out.stdout)["models"]
+            knee = {e["engine"]: e["bands"]["interactive"] for e in report["engines"]}
+            assert knee["slow"]["knee"] < knee["fast"]["knee"]
+            assert knee["slow"]["requests_per_s"] < knee["fast"]["requests_per_s"]
+            fleet = report["fleet"]["by_kind"]
+            assert fleet["slow"]["engines"] > fleet["fast"]["engines"] >= 1
             urls = engine_urls(gateway)
             for speed, url in urls.items():  # both engines at a third of their speed
                 async with session.post(url + "/sim/speed", json={"speed": speed / 3}) as r:
@@ -126,7 +144,6 @@ async def test_learned_limits_order_with_speed_fall_when_slowed_and_priority_is_
                 return seen["slow"] < before["slow"] and seen["fast"] < before["fast"] / 2
 
             await wait_for(fell, 90, f"limits to fall from {before}")
-            assert seen["slow"] <= seen["fast"]
         finally:
             for w in workers:
                 w.cancel()
