@@ -150,6 +150,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
         lambda m: app[DIRECTOR].desired_engines(m) if DIRECTOR in app else None))
     app[STATS] = StatsFeed(metrics, app[POOL], queues,
                            lambda: app[RELOADER].history if app.get(RELOADER) else ())
+    app[STATS].tpot_target_s = min(cfg.gateway.slo.target(p).tpot_s for p in PRIORITIES)
 
     async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
         session = aiohttp.ClientSession(
