@@ -36,7 +36,8 @@ class Timeouts(_Strict):
     """Upstream timeouts in seconds.
 
     ``total_s`` is ``None`` by default: a steadily streaming answer is never cut;
-    ``idle_s`` (gap between two chunks) and ``first_token_s`` catch a stuck engine.
+    ``idle_s`` (gap between two complete SSE events; bytes that do not complete an
+    event are no progress) and ``first_token_s`` catch a stuck engine.
     A non-streaming answer arrives in one piece, so it is bounded by ``non_stream_s``.
     """
 
@@ -142,6 +143,8 @@ class GatewayConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_event_bytes: int = Field(
+        1024 * 1024, ge=1024, description="longest streamed SSE event from an engine, bytes")
     timeouts: Timeouts = Timeouts()
     limits: LimitsConfig = LimitsConfig()
     queue: QueueConfig = QueueConfig()
@@ -150,7 +153,9 @@ class GatewayConfig(_Strict):
     admin_key_hashes: list[str] = Field(default_factory=list)
     retry_attempts: int = Field(2, ge=1, description="engines tried before the first byte")
     default_output_tokens: int = Field(
-        256, ge=1, description="output tokens reserved when a request sets no max_tokens")
+        256, ge=1, description="output tokens reserved when a request sets no output cap; "
+        "for a tenant with tokens_per_min it also becomes the request's cap (lowered to "
+        "what the quota can hold), so generation never exceeds what was reserved")
     drain_grace_s: float = Field(30.0, ge=0)
     slo: SloConfig = SloConfig()
 

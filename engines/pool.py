@@ -9,8 +9,7 @@ can retry placement without polling.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from limits.engine_latency import EngineLatency
@@ -161,26 +160,53 @@ class EnginePool:
         engine.metrics = snapshot
         self.notify()
 
-    def acquire(self, engine: Engine, blocks: int = 0) -> None:
-        """Count one in-flight request and ``blocks`` promised KV blocks on
-        ``engine``; pair with exactly one :meth:`release`."""
+    def lease(self, engine: Engine, blocks: int = 0) -> EngineLease:
+        """Count one in-flight request and ``blocks`` promised KV blocks on ``engine``
+        until the returned lease is released (the one way to take engine capacity)."""
         engine.in_flight += 1
         engine.promised_blocks += blocks
+        return EngineLease(self, engine, blocks)
 
-    def release(self, engine: Engine, blocks: int = 0) -> None:
+    def _give_back(self, engine: Engine, blocks: int) -> None:
         engine.in_flight -= 1
         engine.promised_blocks -= blocks
         self.notify()
 
-    @contextmanager
-    def lease(self, engine: Engine, blocks: int = 0) -> Iterator[Engine]:
-        """:meth:`acquire` for the duration of the ``with`` block."""
-        self.acquire(engine, blocks)
-        try:
-            yield engine
-        finally:
-            self.release(engine, blocks)
-
     def notify(self) -> None:
         for fn in self.listeners:
             fn()
+
+
+class EngineLease:
+    """One request's hold on an engine: one in-flight slot and ``blocks`` promised KV
+    blocks. :meth:`release` gives them back exactly once, however often it is called;
+    usable as ``with lease:`` or ``async with lease:`` (released on exit).
+
+    Attributes:
+        engine: the engine held.
+        blocks: promised KV blocks, blocks.
+        released: whether :meth:`release` ran.
+    """
+
+    def __init__(self, pool: EnginePool, engine: Engine, blocks: int) -> None:
+        self.engine = engine
+        self.blocks = blocks
+        self.released = False
+        self._pool = pool
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._pool._give_back(self.engine, self.blocks)
+
+    def __enter__(self) -> EngineLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    async def __aenter__(self) -> EngineLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()

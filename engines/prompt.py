@@ -224,6 +224,20 @@ def encode(encoder: PromptEncoder, prompt: PromptInput) -> list[int]:
     return []
 
 
+@dataclass(frozen=True)
+class Measured:
+    """A prompt as the engine will tokenize it.
+
+    Attributes:
+        tokens: its exact token count when the model's encoder reproduces the
+            engine's (the model's own tokenizer, or the simulator's); else None.
+        blocks: chained block hashes (see :meth:`PromptBlocks.measure_sync`).
+    """
+
+    tokens: int | None
+    blocks: tuple[int, ...]
+
+
 class PromptBlocks:
     """Chained block hashes of requests, per served model.
 
@@ -243,10 +257,15 @@ class PromptBlocks:
         self.block_size_override = cfg.scheduler.prefix.block_size
         self.max_blocks = cfg.scheduler.prefix.max_blocks
         self._encoders: dict[str, PromptEncoder] = {}
+        #: models whose encoder reproduces the engine's own token count
+        self._exact: set[str] = set()
         for spec in cfg.engines:
             if spec.model not in self._encoders:
-                self._encoders[spec.model] = encoder_for(spec, cache_dir)
+                enc = self._encoders[spec.model] = encoder_for(spec, cache_dir)
+                if spec.kind == "sim" or isinstance(enc, HFEncoder):
+                    self._exact.add(spec.model)
         self._encoders.update(encoders or {})
+        self._exact.update(encoders or {})
         self._fallback = FallbackEncoder()
 
     def encoder(self, model: str) -> PromptEncoder:
@@ -262,29 +281,38 @@ class PromptBlocks:
                 return e.block_size
         return DEFAULT_BLOCK_SIZE
 
-    def blocks_sync(self, model: str, prompt: PromptInput, salt: str | None) -> tuple[int, ...]:
-        """Chained hashes of the prompt's full blocks (at most ``max_blocks``), salted
-        with ``salt``; runs the encoder on the calling thread."""
+    def measure_sync(self, model: str, prompt: PromptInput, salt: str | None) -> Measured:
+        """The prompt's token count and the chained hashes of its full blocks (at most
+        ``max_blocks``), salted with ``salt``; runs the encoder on the calling thread."""
         tokens = encode(self.encoder(model), prompt)
+        exact = len(tokens) if tokens and model in self._exact else None
         size = self.block_size(model)
         if self.max_blocks is not None:
             tokens = tokens[: self.max_blocks * size]
-        return tuple(chain_block_hashes(tokens, size, salt))
+        return Measured(exact, tuple(chain_block_hashes(tokens, size, salt)))
 
-    async def blocks(self, model: str, prompt: PromptInput, salt: str | None,
-                     ) -> tuple[int, ...]:
-        """:meth:`blocks_sync`, in a worker thread for encoders that ask for it (the
+    def blocks_sync(self, model: str, prompt: PromptInput, salt: str | None) -> tuple[int, ...]:
+        """:meth:`measure_sync`'s block hashes."""
+        return self.measure_sync(model, prompt, salt).blocks
+
+    async def measure(self, model: str, prompt: PromptInput, salt: str | None) -> Measured:
+        """:meth:`measure_sync`, in a worker thread for encoders that ask for it (the
         event loop never waits on a tokenizer load or a long encode). An encoder
-        failure (bad template input) gives no blocks, never an error."""
+        failure (bad template input) gives no count and no blocks, never an error."""
         encoder = self.encoder(model)
-        run: Callable[[], tuple[int, ...]] = lambda: self.blocks_sync(model, prompt, salt)  # noqa: E731
+        run: Callable[[], Measured] = lambda: self.measure_sync(model, prompt, salt)  # noqa: E731
         try:
             if not encoder.offload:
                 return run()
             return await asyncio.to_thread(run)
         except Exception as e:  # noqa: BLE001 - routing must not fail a request
             log.warning("prompt blocks for %s failed: %r", model, e)
-            return ()
+            return Measured(None, ())
+
+    async def blocks(self, model: str, prompt: PromptInput, salt: str | None,
+                     ) -> tuple[int, ...]:
+        """:meth:`measure`'s block hashes."""
+        return (await self.measure(model, prompt, salt)).blocks
 
 
 #: vLLM's limits on ``cache_salt`` (``validate_cache_salt`` in

@@ -146,6 +146,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
 
     metrics.registry.register(FleetCollector(
         app[POOL], queues, metrics, lambda: getattr(app.get(STORE), "failovers", 0),
+        lambda: app[DIRECTOR].limiter if DIRECTOR in app else None,
         min(cfg.gateway.slo.target(p).tpot_s for p in PRIORITIES),
         lambda m: app[DIRECTOR].desired_engines(m) if DIRECTOR in app else None))
     app[STATS] = StatsFeed(metrics, app[POOL], queues,
@@ -179,10 +180,11 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
         cache = await asyncio.to_thread(open_cache, cfg.gateway.cache) \
             if cfg.gateway.cache.enabled else None
         app[DIRECTOR] = Director(
-            cfg, app[POOL], Scheduler(cfg.engines.scheduler),
-            EngineClient(app[SESSION], cfg.gateway.timeouts),
-            RateLimiter(store, lease_ttl_s=limits.lease_ttl_s), queues,
-            SaturationDetector.from_config(cfg.engines), cache, spans)
+            cfg=cfg, pool=app[POOL], scheduler=Scheduler(cfg.engines.scheduler),
+            client=EngineClient(app[SESSION], cfg.gateway.timeouts, cfg.gateway.max_event_bytes),
+            limiter=RateLimiter(store, lease_ttl_s=limits.lease_ttl_s), queues=queues,
+            detector=SaturationDetector.from_config(cfg.engines), cache=cache, clock=clock,
+            spans=spans)
 
         def kick() -> None:
             for q in queues.values():

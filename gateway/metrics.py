@@ -35,7 +35,7 @@ REL_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5)
 #: Outcomes counted in ``sluice_rejected_total``: admission control said no (rate
 #: limited, shed, queue timeout, no engine, over the tenant's prompt limit). Bad keys
 #: and bad requests are not load and show only in ``sluice_requests_total``.
-REJECTIONS = {Outcome.RATE_LIMITED, Outcome.OVERLOADED, Outcome.QUEUE_TIMEOUT,
+REJECTIONS = {Outcome.RATE_LIMITED, Outcome.EXCEEDS_QUOTA, Outcome.OVERLOADED, Outcome.QUEUE_TIMEOUT,
               Outcome.NO_ENGINE, Outcome.CONTEXT_LENGTH_EXCEEDED}
 
 
@@ -76,8 +76,14 @@ class GatewayMetrics:
                                 ["tenant", "reason"], registry=r)
         self.degraded = Counter("sluice_degraded", "Degradation actions applied.",
                                 ["model", "action"], registry=r)
-        self.tokens = Counter("sluice_tokens", "Tokens processed.", ["tenant", "model", "kind"],
-                              registry=r)
+        self.tokens = Counter("sluice_tokens", "Tokens processed by engines.",
+                              ["tenant", "model", "kind"], registry=r)
+        self.cached_tokens = Counter("sluice_cached_tokens",
+                                     "Tokens answered from the response cache (replayed usage).",
+                                     ["tenant", "model", "kind"], registry=r)
+        self.overshoot = Counter("sluice_output_overshoot_tokens",
+                                 "Completion tokens generated beyond the output tokens reserved.",
+                                 ["tenant"], registry=r)
         self.cache = Counter("sluice_cache_lookups", "Response cache lookups.",
                              ["kind", "result"], registry=r)
         self.reloads = Counter("sluice_config_reloads", "Configuration reloads.", ["result"],
@@ -108,11 +114,14 @@ class GatewayMetrics:
             self.queue_wait.labels(model, rec.priority).observe(rec.queue_s)
         if rec.outcome not in (Outcome.OK, Outcome.CACHE_HIT, Outcome.CLIENT_DISCONNECTED):
             return
-        self.tokens.labels(rec.tenant, model, "prompt").inc(rec.prompt_tokens)
-        self.tokens.labels(rec.tenant, model, "completion").inc(rec.completion_tokens)
-        if rec.engine:
+        tokens = self.cached_tokens if rec.outcome is Outcome.CACHE_HIT else self.tokens
+        tokens.labels(rec.tenant, model, "prompt").inc(rec.prompt_tokens)
+        tokens.labels(rec.tenant, model, "completion").inc(rec.completion_tokens)
+        if rec.engine and rec.outcome is not Outcome.CACHE_HIT:
             self.output_tokens[rec.engine] = self.output_tokens.get(rec.engine, 0) \
                 + rec.completion_tokens
+        if rec.overshoot_tokens:
+            self.overshoot.labels(rec.tenant).inc(rec.overshoot_tokens)
         self.duration.labels(model, engine).observe(rec.duration_s)
         if rec.ttft_s is not None:
             self.ttft.labels(model, engine).observe(rec.ttft_s)
@@ -147,6 +156,8 @@ class FleetCollector(Collector):
             {priority: n}`` (the admission queues; empty before start-up).
         metrics: for the per-engine prefix-match ratio.
         failovers: returns the counter store's Redis failover count (0 without Redis).
+        limiter: returns the rate limiter (``open_reservations``, ``held_slots``), or
+            None before start-up.
         tpot_target_s: the tightest TPOT target of the SLO bands, s (the target of the
             reported concurrency limit).
         desired_engines: model → engines its arrival rate needs (the capacity model),
@@ -155,9 +166,10 @@ class FleetCollector(Collector):
 
     def __init__(self, pool: EnginePool, queues: Callable[[], Mapping[str, Any]],
                  metrics: GatewayMetrics, failovers: Callable[[], int],
-                 tpot_target_s: float = 0.1,
+                 limiter: Callable[[], Any] = lambda: None, tpot_target_s: float = 0.1,
                  desired_engines: Callable[[str], float | None] = lambda m: None) -> None:
         self.pool, self.queues, self.metrics, self.failovers = pool, queues, metrics, failovers
+        self.limiter = limiter
         self.tpot_target_s = tpot_target_s
         self.desired_engines = desired_engines
         self.started = time.monotonic()
@@ -220,6 +232,9 @@ class FleetCollector(Collector):
                                       labels=["engine", "model"])
         restarts = CounterMetricFamily("sluice_engine_restarts", "Engine restarts.",
                                        labels=["engine", "model"])
+        promised = GaugeMetricFamily("sluice_engine_promised_kv_blocks",
+                                     "KV blocks promised to in-flight requests.",
+                                     labels=["engine", "model"])
         prefix = GaugeMetricFamily("sluice_engine_prefix_match_ratio",
                                    "Mean prefix-affinity score of routed requests, 0-1.",
                                    labels=["engine", "model"])
@@ -232,6 +247,7 @@ class FleetCollector(Collector):
                 running.add_metric(labels, e.metrics.num_running)
                 waiting.add_metric(labels, e.metrics.num_waiting)
             in_flight.add_metric(labels, e.in_flight)
+            promised.add_metric(labels, e.promised_blocks)
             restarts.add_metric(labels, e.restarts)
             ratio = self.metrics.prefix_match_ratio(e.id)
             if ratio is not None:
@@ -247,7 +263,15 @@ class FleetCollector(Collector):
         failovers = CounterMetricFamily("sluice_limits_store_failovers",
                                         "Times the shared counter store became unreachable.")
         failovers.add_metric([], self.failovers())
-        yield from (up, kv, running, waiting, in_flight, restarts, prefix, depth, queued,
-                    failovers)
+        reservations = GaugeMetricFamily(
+            "sluice_ratelimit_reservations_open",
+            "Rate-limit reservations this process took and has not settled and released.")
+        slots = GaugeMetricFamily("sluice_ratelimit_concurrency_slots_held",
+                                  "Tenant concurrency slots this process holds.")
+        limiter = self.limiter()
+        reservations.add_metric([], limiter.open_reservations if limiter else 0)
+        slots.add_metric([], limiter.held_slots if limiter else 0)
+        yield from (up, kv, running, waiting, in_flight, promised, restarts, prefix, depth,
+                    queued, failovers, reservations, slots)
         yield from self._adaptive()
         yield from self._cost()

@@ -20,6 +20,8 @@ class RequestRecord:
     ``hit-exact``, ``hit-semantic``, ``miss`` or ``bypass``; ``degraded`` lists the
     degradation actions applied (``max_tokens=256``, ``model=small``); ``reason`` is
     the finer cause of a rejection (``requests_per_min``, ``queue_full``…);
+    ``reserved_output_tokens`` is the output part of the tokens/min reservation
+    (tokens; None when nothing was reserved, e.g. a cache hit);
     ``predicted_ttft_s`` the adaptive admission's TTFT̂ at send time."""
 
     request_id: str
@@ -34,6 +36,7 @@ class RequestRecord:
     reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reserved_output_tokens: int | None = None
     queue_s: float | None = None
     ttft_s: float | None = None
     predicted_ttft_s: float | None = None
@@ -44,6 +47,14 @@ class RequestRecord:
     finish_reasons: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     duration_s: float = 0.0
+
+    @property
+    def overshoot_tokens(self) -> int:
+        """Completion tokens beyond the output tokens reserved (0 when within or when
+        nothing was reserved)."""
+        if self.reserved_output_tokens is None:
+            return 0
+        return max(0, self.completion_tokens - self.reserved_output_tokens)
 
     @property
     def tpot_s(self) -> float | None:

@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "adaptive": "loadtest.adaptive",
     "semcache": "loadtest.semcache",
     "validate-sim": "loadtest.validate_sim",
+    "token-estimate": "loadtest.token_estimate",
 }
 
 

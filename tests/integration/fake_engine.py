@@ -12,6 +12,11 @@ received. ``mode`` selects a behaviour for the next requests:
 * ``slow_first``: waits ``delay_s`` before the first chunk (or the JSON answer).
 * ``stall``: two chunks (role, first word), then waits ``delay_s`` before the next.
 * ``error500``: answers HTTP 500.
+* ``status``: answers HTTP ``status`` with an OpenAI error body carrying
+  ``error_message`` and the headers ``error_headers`` (e.g. 429 with Retry-After).
+* ``unbounded_event``: a chat stream's role chunk and first word (a completions
+  stream: nothing), then ``data: {"x":"`` and 64 KiB of text every ``delay_s``, never a blank line,
+  until the client goes away (``sent_bytes`` counts what was written).
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ class FakeEngine:
     mode: str = "ok"
     kv_usage: float = 0.1
     delay_s: float = 0.0
+    status: int = 500
+    error_message: str = "boom"
+    error_headers: dict[str, str] = field(default_factory=dict)
+    sent_bytes: int = 0
     running: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[CIMultiDict[str]] = field(default_factory=list)
@@ -95,6 +104,10 @@ class FakeEngine:
         self.headers.append(request.headers.copy())
         if self.mode == "error500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
+        if self.mode == "status":
+            err = {"message": self.error_message, "type": "BadRequestError", "param": None,
+                   "code": self.status}
+            return web.json_response({"error": err}, status=self.status, headers=self.error_headers)
         self.running += 1
         try:
             if body.get("stream"):
@@ -151,6 +164,14 @@ class FakeEngine:
         chunks = self._chunks(body, chat)
         if self.mode == "slow_first":
             await asyncio.sleep(self.delay_s)
+        if self.mode == "unbounded_event":
+            for chunk in chunks[:2 if chat else 0]:
+                await resp.write(chunk)
+            await resp.write(b'data: {"x":"')
+            while True:
+                await resp.write(b"y" * 65536)
+                self.sent_bytes += 65536
+                await asyncio.sleep(self.delay_s)
         for i, chunk in enumerate(chunks):
             if self.mode == "die_mid_stream" and i == 2:
                 assert request.transport is not None

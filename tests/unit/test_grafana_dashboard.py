@@ -23,6 +23,7 @@ METRICS: dict[str, set[str]] = {
     "sluice_rejected_total": {"tenant", "reason"},
     "sluice_degraded_total": {"model", "action"},
     "sluice_tokens_total": {"tenant", "model", "kind"},
+    "sluice_cached_tokens_total": {"tenant", "model", "kind"},
     "sluice_cache_lookups_total": {"kind", "result"},
     "sluice_engine_up": {"engine", "model", "state"},
     "sluice_engine_kv_cache_usage_ratio": {"engine", "model"},

@@ -1,0 +1,228 @@
+"""Placing one request on an engine: the candidates with room, the scheduler's pick,
+and the engine lease it holds while the upstream call runs.
+
+:class:`Placer` is synchronous and non-blocking (the admission queue calls
+:meth:`Placer.place` while deciding which ticket goes next). A retry on another
+engine before the first byte is an iteration over :meth:`Placer.attempts`: each
+attempt is a fresh :class:`Placement` that excludes the engines already tried.
+
+With adaptive admission (``saturation.adaptive``), an engine with room must also be
+predicted to serve the request within its band's SLO (:mod:`limits.engine_latency`),
+and each placement holds a :class:`~limits.engine_latency.Flight` in the engine's
+latency ledger, which the caller feeds (first token, usage, end) and the release
+closes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from config.schema import PRIORITIES, AdaptiveConfig, Priority, SloConfig
+from engines.plugins import engine_load
+from engines.pool import Engine, EngineLease, EnginePool
+from engines.scheduler import SchedRequest, Scheduler
+from limits.engine_latency import BandDemand, EngineLatency, Flight
+from limits.interfaces import Clock
+from limits.latency_model import LatencyModel
+from limits.outcome import Outcome, Rejected
+from limits.saturation import SaturationDetector, kv_blocks
+
+
+@dataclass(eq=False)
+class Placement:
+    """One request's engine: its lease (one in-flight slot and ``lease.blocks``
+    promised KV blocks, released exactly once) and the scheduler's scores.
+
+    ``async with placement:`` releases the lease on exit; :meth:`release` is
+    idempotent, so the admission queue's undo and the exit may both run.
+    """
+
+    lease: EngineLease
+    scores: dict[str, float] = field(default_factory=dict)
+    flight: Flight | None = None
+    on_release: Callable[[Placement], None] | None = None
+
+    @property
+    def engine(self) -> Engine:
+        return self.lease.engine
+
+    @property
+    def blocks(self) -> int:
+        return self.lease.blocks
+
+    def release(self) -> None:
+        if self.on_release is not None:
+            done, self.on_release = self.on_release, None
+            done(self)
+        self.lease.release()
+
+    async def __aenter__(self) -> Placement:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one request asks of an engine.
+
+    Attributes:
+        sched: the scheduler's view (model, prompt blocks, session…).
+        priority: the tenant's priority (the saturation check's reserve).
+        tokens: KV-cache tokens it may occupy: prompt + output cap × sequences.
+        arrived: clock time it reached the gateway, s (its TTFT target counts from
+            there); None: no SLO check.
+    """
+
+    sched: SchedRequest
+    priority: Priority
+    tokens: int
+    arrived: float | None = None
+
+
+class Placer:
+    """Chooses engines with room and takes their leases.
+
+    Args:
+        pool: the engines and their leases.
+        scheduler: picks one engine among the candidates and records dispatches.
+        detector: whether an engine has room for a request (KV blocks, in-flight cap).
+        clock: monotonic time, s (the metrics snapshots' clock).
+        slo: the per-band targets.
+        adaptive: the adaptive admission's settings; when enabled every engine of the
+            pool gets an :class:`~limits.engine_latency.EngineLatency`.
+        retry_after: model → ``Retry-After`` s for a ``predicted_miss`` shed.
+    """
+
+    def __init__(self, *, pool: EnginePool, scheduler: Scheduler,
+                 detector: SaturationDetector, clock: Clock,
+                 slo: SloConfig | None = None, adaptive: AdaptiveConfig | None = None,
+                 retry_after: Callable[[str], int] = lambda m: 1) -> None:
+        self.pool = pool
+        self.scheduler = scheduler
+        self.detector = detector
+        self.clock = clock
+        self.slo = slo or SloConfig()
+        self.adaptive = adaptive or AdaptiveConfig(enabled=False)
+        self.retry_after = retry_after
+        #: per model, each band's expected occupancy (room kept for urgent bands)
+        self.demand: dict[str, BandDemand] = {}
+        for e in pool.engines:
+            if self.adaptive.enabled:
+                e.latency = EngineLatency(
+                    LatencyModel(forgetting=self.adaptive.forgetting,
+                                 min_samples=self.adaptive.min_samples,
+                                 max_rel_error=self.adaptive.max_rel_error),
+                    clock, z=self.adaptive.confidence_z)
+
+    def candidates(self, model: str, priority: Priority, tokens: int,
+                   exclude: frozenset[str] = frozenset()) -> list[Engine]:
+        """Ready engines of ``model`` not in ``exclude`` with room for ``tokens``."""
+        now = self.clock.now()
+        return [e for e in self.pool.for_model(model)
+                if e.routable and e.id not in exclude
+                and self.detector.admits(e, priority, tokens, now)]
+
+    def band_demand(self, model: str) -> BandDemand:
+        """``model``'s per-band demand (created on first use)."""
+        demand = self.demand.get(model)
+        if demand is None:
+            demand = self.demand[model] = BandDemand(self.clock, PRIORITIES)
+        return demand
+
+    def uncached(self, engine: Engine, sched: SchedRequest, now: float) -> int:
+        """Prompt tokens ``engine`` must compute for ``sched``: the prompt less the
+        leading blocks its prefix index says the engine holds."""
+        hit = self.scheduler.index.match(engine, sched.blocks, now) if sched.blocks else 0
+        return max(0, sched.prompt_tokens - hit * sched.block_size)
+
+    def within_slo(self, engines: list[Engine], need: Need, now: float) -> list[Engine]:
+        """The engines predicted to serve ``need`` within its band's SLO
+        (:func:`limits.engine_latency.decide`), keeping room for more urgent bands.
+
+        Raises:
+            Rejected: ``OVERLOADED`` (reason ``predicted_miss``) when, with every
+                ready engine's model trusted, even one with no prefill queued would
+                start the request after its TTFT target because of the time it has
+                already waited (it could have met it on arrival): serving it late
+                would only take capacity from requests that can still make theirs.
+        """
+        assert need.arrived is not None
+        model, priority = need.sched.model, need.priority
+        target = self.slo.target(priority)
+        budget = target.ttft_s - (now - need.arrived)
+        z = self.adaptive.confidence_z
+        ready = [e for e in self.pool.for_model(model) if e.routable]
+        best = math.inf
+        for e in ready:
+            lat = e.latency
+            if lat is None or not lat.model.confident:
+                best = -math.inf
+                break
+            best = min(best, lat.model.predict_ttft(self.uncached(e, need.sched, now),
+                                                    lat.decoding).upper(z))
+        if budget < best <= target.ttft_s:
+            raise Rejected(Outcome.OVERLOADED,
+                           f"no engine can start this {priority} request within its "
+                           f"{target.ttft_s:g} s TTFT target any more; shed",
+                           retry_after_s=self.retry_after(model), reason="predicted_miss")
+        band = PRIORITIES.index(priority)
+        urgent = self.band_demand(model).urgent_occupancy(priority) / max(1, len(ready))
+        return [e for e in engines if e.latency is None or e.latency.decide(
+            self.uncached(e, need.sched, now), budget, target.tpot_s, engine_load(e),
+            max(0.0, urgent - e.latency.urgent_in_flight(band))).admit]
+
+    def place(self, need: Need, exclude: frozenset[str] = frozenset()) -> Placement | None:
+        """Pick an engine with room for ``need`` (and, with adaptive admission, within
+        its SLO) and lease it, or None when none has room now.
+
+        Raises:
+            Rejected: ``predicted_miss``, as :meth:`within_slo`.
+        """
+        candidates = self.candidates(need.sched.model, need.priority, need.tokens, exclude)
+        now = self.clock.now()
+        if candidates and self.adaptive.enabled and need.arrived is not None:
+            candidates = self.within_slo(candidates, need, now)
+        if not candidates:
+            return None
+        decision = self.scheduler.pick(need.sched, candidates, now)
+        if decision is None:
+            return None
+        engine = decision.engine
+        blocks = kv_blocks(need.tokens, engine.block_size)
+        lease = self.pool.lease(engine, blocks)
+        self.scheduler.record(need.sched, engine, now)
+        if engine.latency is None:
+            return Placement(lease, decision.scores)
+        flight = engine.latency.sent(self.uncached(engine, need.sched, now),
+                                     need.sched.prompt_tokens,
+                                     self.slo.target(need.priority).tpot_s,
+                                     PRIORITIES.index(need.priority))
+        return Placement(lease, decision.scores, flight, self._close_flight)
+
+    def _close_flight(self, placement: Placement) -> None:
+        """A placement's release: its flight leaves the ledger (learning nothing if
+        the caller did not finish it) and its time on the engine feeds the band's
+        demand."""
+        flight, engine = placement.flight, placement.engine
+        assert flight is not None and engine.latency is not None
+        engine.latency.finished(flight, ok=False)  # no-op if already finished
+        self.band_demand(engine.model).served(PRIORITIES[flight.band],
+                                         self.clock.now() - flight.sent_at)
+
+    def attempts(self, first: Placement, need: Need, max_attempts: int) -> Iterator[Placement]:
+        """``first``, then — each time the caller asks for another (its attempt failed
+        before the first byte) — a new placement on an engine not tried yet, up to
+        ``max_attempts`` in all; ends when none has room. The caller releases each
+        placement it receives (``async with``)."""
+        tried: set[str] = set()
+        placement: Placement | None = first
+        while placement is not None:
+            tried.add(placement.engine.id)
+            yield placement
+            if len(tried) >= max_attempts:
+                return
+            placement = self.place(need, frozenset(tried))
