@@ -65,11 +65,14 @@ class FakeClient:
         self.completion = completion
         self.behaviour = behaviour
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.priorities: list[int | None] = []
         self.entered = asyncio.Event()
 
     async def send(self, engine: Engine, req: InferenceRequest, request: web.Request,
-                   response_headers: Any, upstream_headers: Any = None) -> ProxyResult:
+                   response_headers: Any, upstream_headers: Any = None,
+                   on_first_token: Any = None, priority: int | None = None) -> ProxyResult:
         self.calls.append((engine.id, dict(req.body)))
+        self.priorities.append(priority)
         self.entered.set()
         action = self.behaviour.get(engine.id)
         if isinstance(action, list):
@@ -78,6 +81,8 @@ class FakeClient:
             raise action
         if isinstance(action, asyncio.Event):
             await action.wait()
+        if on_first_token is not None:
+            on_first_token()
         answer = {"id": "x", "object": "chat.completion", "model": req.model,
                   "choices": [{"index": 0, "finish_reason": "stop",
                                "message": {"role": "assistant", "content": "hi"}}],
