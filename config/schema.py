@@ -14,9 +14,16 @@ silently ignored setting.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -234,13 +241,18 @@ class TenantsConfig(_Strict):
 # --------------------------------------------------------------------------- engines
 
 
+#: ``EngineSpec.tokenizer`` value naming the dependency-free tokenizer the simulator
+#: uses (``engines.blocks.FallbackEncoder``).
+FALLBACK_TOKENIZER = "fallback"
+
+
 class EngineSpec(_Strict):
     """One engine entry; ``replicas`` > 1 expands to that many processes.
 
     ``kind``: ``vllm`` (the gateway launches ``vllm serve``), ``sim`` (the gateway
     launches ``python -m loadtest.sim_engine``), ``external`` (only probed and routed
     to at ``url``). ``port`` or ``port_range`` [first, last] for launched kinds; with
-    neither, free ports are chosen.
+    neither, free ports are chosen. ``tokenizer``: see :attr:`tokenizer_source`.
     """
 
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -256,6 +268,11 @@ class EngineSpec(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     cache_salt: bool | None = Field(
         None, description="accepts vLLM's cache_salt; None: yes for vllm and sim kinds")
+    tokenizer: str | None = Field(
+        None, description=f"how the gateway tokenizes prompts for prefix routing: "
+        f"{FALLBACK_TOKENIZER!r} (the simulator's tokenizer), a folder with tokenizer.json, "
+        f"or 'packaged:gemma3-270m'; None: model_path for kind vllm, {FALLBACK_TOKENIZER!r} "
+        f"otherwise")
     scheduling_policy: Literal["fcfs", "priority"] | None = Field(
         None, description="vLLM's --scheduling-policy; None: read from args (fcfs if absent)")
     cost_per_hour: float | None = Field(None, ge=0, description="price of one replica per hour")
@@ -280,6 +297,17 @@ class EngineSpec(_Strict):
         """Whether requests to this engine may carry ``cache_salt`` (vLLM ≥ 0.9 and
         the simulator do; an ``external`` server is not assumed to)."""
         return self.cache_salt if self.cache_salt is not None else self.kind != "external"
+
+    @property
+    def tokenizer_source(self) -> str:
+        """``tokenizer``, or its default for the kind: a vLLM engine tokenizes with its
+        model's own tokenizer; the simulator with :data:`FALLBACK_TOKENIZER`; an
+        ``external`` server's tokenizer is not assumed to be on local disk."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        if self.kind == "vllm" and self.model_path:
+            return self.model_path
+        return FALLBACK_TOKENIZER
 
     @model_validator(mode="after")
     def _kind(self) -> EngineSpec:
@@ -307,12 +335,53 @@ class ModelConfig(_Strict):
 
 
 class PluginConfig(_Strict):
-    """A scheduler plugin chosen by its kebab-case ``type``; ``weight`` applies to
-    scorers; ``params`` go to the plugin's constructor."""
+    """A scheduler plugin of one role, chosen by its kebab-case ``type`` among the
+    plugins registered for the role (:mod:`engines.plugins`); ``params`` are checked
+    against the plugin's ``Params`` model, and stored with its defaults filled in.
+    An unknown type is an error at ``….type`` listing the valid ones; a bad
+    parameter, one at ``….params.<name>``. Use :class:`FilterConfig`,
+    :class:`ScorerConfig` or :class:`PickerConfig`."""
 
+    role: ClassVar[str]
     type: str
-    weight: float = Field(1.0, ge=0)
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, v: str) -> str:
+        from engines.plugins import plugin_class  # engines.plugins imports this module
+
+        plugin_class(cls.role, v)
+        return v
+
+    @field_validator("params")
+    @classmethod
+    def _typed_params(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "type" not in info.data:  # the type is already reported as unknown
+            return v
+        from engines.plugins import plugin_class
+
+        params: BaseModel = plugin_class(cls.role, info.data["type"]).Params.model_validate(v)
+        return params.model_dump()
+
+
+class FilterConfig(PluginConfig):
+    """A filter: removes engines that should not take the request."""
+
+    role: ClassVar[str] = "filter"
+
+
+class ScorerConfig(PluginConfig):
+    """A scorer; ``weight`` multiplies its 0–1 score in the total."""
+
+    role: ClassVar[str] = "scorer"
+    weight: float = Field(1.0, ge=0)
+
+
+class PickerConfig(PluginConfig):
+    """The picker: chooses the engine from the total scores."""
+
+    role: ClassVar[str] = "picker"
 
 
 class PrefixConfig(_Strict):
@@ -340,11 +409,11 @@ class SessionsConfig(_Strict):
 
 
 class SchedulerConfig(_Strict):
-    filters: list[PluginConfig] = Field(default_factory=list)
-    scorers: list[PluginConfig] = Field(
-        default_factory=lambda: [PluginConfig(type="least-in-flight")]
+    filters: list[FilterConfig] = Field(default_factory=list)
+    scorers: list[ScorerConfig] = Field(
+        default_factory=lambda: [ScorerConfig(type="least-in-flight")]
     )
-    picker: PluginConfig = PluginConfig(type="max-score")
+    picker: PickerConfig = Field(default_factory=lambda: PickerConfig(type="max-score"))
     prefix: PrefixConfig = PrefixConfig()
     sessions: SessionsConfig = SessionsConfig()
 

@@ -12,6 +12,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engines.breaker import CircuitBreaker
 from limits.engine_latency import EngineLatency
 
 
@@ -70,9 +71,8 @@ class Engine:
             (prefix index) drop entries from older generations.
         promised_blocks: KV blocks reserved by in-flight requests (limits' KV budget).
         restarts: restarts so far.
-        upstream_failures: requests in a row that timed out before their first token
-            or could not connect (the gateway resets it on a success); at the
-            supervisor's ``failure_threshold`` the engine's probes count as failed.
+        breaker: the engine's :class:`~engines.breaker.CircuitBreaker` (requests that
+            timed out before their first token or could not connect open it).
         priority_scheduling: runs vLLM's ``--scheduling-policy priority`` (the
             gateway forwards the band as ``priority``).
         cost_per_hour: the spec's price per replica-hour, or None.
@@ -89,7 +89,7 @@ class Engine:
     generation: int = 0
     promised_blocks: int = 0
     restarts: int = 0
-    upstream_failures: int = 0
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     labels: dict[str, str] = field(default_factory=dict)
     priority_scheduling: bool = False
     cost_per_hour: float | None = None
@@ -97,7 +97,8 @@ class Engine:
 
     @property
     def routable(self) -> bool:
-        return self.state is EngineState.READY
+        """Ready, and its circuit breaker admits one more request."""
+        return self.state is EngineState.READY and self.breaker.admits(self.in_flight)
 
     # The load view admission control reads (``limits.interfaces.EngineLoad``).
     @property
@@ -148,8 +149,9 @@ class EnginePool:
         return self._by_model.get(model, [])
 
     def ready_models(self) -> list[str]:
-        """Models with at least one ready engine, in configuration order."""
-        return list(dict.fromkeys(e.model for e in self.engines if e.routable))
+        """Models with at least one ready engine (whatever its circuit breaker says: a
+        breaker opens for seconds), in configuration order."""
+        return list(dict.fromkeys(e.model for e in self.engines if e.state is EngineState.READY))
 
     def set_state(self, engine: Engine, state: EngineState) -> None:
         if engine.state is not state:

@@ -37,7 +37,7 @@ from hashlib import blake2b
 from pathlib import Path
 from typing import Any
 
-from config.schema import EnginesConfig, EngineSpec
+from config.schema import FALLBACK_TOKENIZER, EnginesConfig, EngineSpec
 from engines.blocks import chain_block_hashes, fallback_tokenize
 from engines.interfaces import PromptEncoder
 from engines.pool import EnginePool
@@ -169,28 +169,26 @@ class HFEncoder:
 
 
 def local_model_folder(spec: EngineSpec, cache_dir: Path | None = None) -> Path | None:
-    """The local folder holding ``spec``'s tokenizer, or None: the prepared folder for
-    ``packaged:gemma3-270m`` (only if already prepared — preparing takes a minute),
-    ``model_path`` itself if it is a directory with a ``tokenizer.json``."""
-    if spec.model_path is None:
+    """The local folder holding ``spec``'s tokenizer (:attr:`EngineSpec.tokenizer_source`),
+    or None: the prepared folder for ``packaged:gemma3-270m`` (only if already prepared —
+    preparing takes a minute), or the source itself if it is a directory with a
+    ``tokenizer.json``; None for :data:`~config.schema.FALLBACK_TOKENIZER`."""
+    source = spec.tokenizer_source
+    if source == FALLBACK_TOKENIZER:
         return None
-    if spec.model_path == PACKAGED_GEMMA:
+    if source == PACKAGED_GEMMA:
         folder = (cache_dir or default_cache_dir()) / MODEL_DIRNAME
         return folder if is_prepared(folder) else None
-    folder = Path(spec.model_path).expanduser()
+    folder = Path(source).expanduser()
     return folder if (folder / "tokenizer.json").is_file() else None
 
 
 def encoder_for(spec: EngineSpec, cache_dir: Path | None = None) -> PromptEncoder:
-    """The encoder that reproduces ``spec``'s tokens: the simulator's for
-    ``kind: sim``; the model's own tokenizer for ``kind: vllm`` when it is on local
-    disk; the fallback otherwise."""
-    if spec.kind == "sim":
-        return FallbackEncoder()
-    folder = local_model_folder(spec, cache_dir) if spec.kind == "vllm" else None
-    if folder is None:
-        return FallbackEncoder()
-    return HFEncoder(folder)
+    """The encoder that reproduces ``spec``'s tokens: the tokenizer its ``tokenizer``
+    field names (by default the model's own for ``kind: vllm``, the simulator's
+    fallback for the other kinds) when it is on local disk; the fallback otherwise."""
+    folder = local_model_folder(spec, cache_dir)
+    return FallbackEncoder() if folder is None else HFEncoder(folder)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ Stop with Ctrl-C (drains requests and stops the engines).
 
 
 async def _serve(cfg: Config, host: str, port: int) -> None:
-    from gateway.app import SUPERVISOR, create_app
+    from gateway.app import create_app
+    from gateway.keys import SUPERVISOR
 
     app = create_app(cfg)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,

@@ -394,7 +394,7 @@ class Director:
                     result = await self._send(request, req, rec, placement, tenant)
                 except UpstreamFailed as e:
                     if e.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
-                        placement.engine.upstream_failures += 1  # the supervisor's probes read it
+                        placement.engine.breaker.record(False)
                     failed = e
                     if not e.retryable:
                         break
@@ -402,7 +402,7 @@ class Director:
                 except asyncio.CancelledError:
                     rec.prompt_tokens = req.prompt_tokens  # the engine did the prefill
                     raise
-                placement.engine.upstream_failures = 0
+                placement.engine.breaker.record(True)
                 return result
         assert failed is not None
         raise self._final_error(req, failed)

@@ -22,9 +22,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engines.breaker import BreakerState
 from engines.pool import EnginePool, EngineState
 from gateway.record import RequestRecord
+from limits.admission import AdmissionQueue
+from limits.interfaces import CounterStore
 from limits.outcome import Outcome
+from limits.rate_limit import RateLimiter
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 600)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
@@ -152,23 +156,21 @@ class FleetCollector(Collector):
 
     Args:
         pool: the engine pool.
-        queues: returns ``{model: queue}`` where each queue has ``depth() ->
-            {priority: n}`` (the admission queues; empty before start-up).
+        queues: the admission queues, ``{model: queue}``.
         metrics: for the per-engine prefix-match ratio.
-        failovers: returns the counter store's Redis failover count (0 without Redis).
-        limiter: returns the rate limiter (``open_reservations``, ``held_slots``), or
-            None before start-up.
+        store: the rate-limit counter store (its ``failovers`` count).
+        limiter: the rate limiter (its open reservations and held concurrency slots).
         tpot_target_s: the tightest TPOT target of the SLO bands, s (the target of the
             reported concurrency limit).
         desired_engines: model → engines its arrival rate needs (the capacity model),
-            or None when unknown.
+            or None when unknown (before start-up or before any request finished).
     """
 
-    def __init__(self, pool: EnginePool, queues: Callable[[], Mapping[str, Any]],
-                 metrics: GatewayMetrics, failovers: Callable[[], int],
-                 limiter: Callable[[], Any] = lambda: None, tpot_target_s: float = 0.1,
+    def __init__(self, *, pool: EnginePool, queues: Mapping[str, AdmissionQueue[Any]],
+                 metrics: GatewayMetrics, store: CounterStore, limiter: RateLimiter,
+                 tpot_target_s: float = 0.1,
                  desired_engines: Callable[[str], float | None] = lambda m: None) -> None:
-        self.pool, self.queues, self.metrics, self.failovers = pool, queues, metrics, failovers
+        self.pool, self.queues, self.metrics, self.store = pool, queues, metrics, store
         self.limiter = limiter
         self.tpot_target_s = tpot_target_s
         self.desired_engines = desired_engines
@@ -195,7 +197,7 @@ class FleetCollector(Collector):
         desired = GaugeMetricFamily(
             "sluice_capacity_desired_engines", "Engines the current arrival rate needs at "
             "the learned per-engine throughput (the HPA metric).", labels=["model"])
-        for model in self.queues():
+        for model in self.queues:
             n = self.desired_engines(model)
             if n is not None:
                 desired.add_metric([model], n)
@@ -235,6 +237,10 @@ class FleetCollector(Collector):
         promised = GaugeMetricFamily("sluice_engine_promised_kv_blocks",
                                      "KV blocks promised to in-flight requests.",
                                      labels=["engine", "model"])
+        breaker = GaugeMetricFamily(
+            "sluice_engine_breaker_open",
+            "1 while the engine's circuit breaker is open or half-open (failed requests).",
+            labels=["engine", "model"])
         prefix = GaugeMetricFamily("sluice_engine_prefix_match_ratio",
                                    "Mean prefix-affinity score of routed requests, 0-1.",
                                    labels=["engine", "model"])
@@ -249,6 +255,7 @@ class FleetCollector(Collector):
             in_flight.add_metric(labels, e.in_flight)
             promised.add_metric(labels, e.promised_blocks)
             restarts.add_metric(labels, e.restarts)
+            breaker.add_metric(labels, 0.0 if e.breaker.state is BreakerState.CLOSED else 1.0)
             ratio = self.metrics.prefix_match_ratio(e.id)
             if ratio is not None:
                 prefix.add_metric(labels, ratio)
@@ -256,22 +263,21 @@ class FleetCollector(Collector):
                                   labels=["model", "priority"])
         queued = GaugeMetricFamily("sluice_queue_tokens", "Estimated tokens queued.",
                                    labels=["model"])
-        for model, q in self.queues().items():
+        for model, q in self.queues.items():
             for priority, n in q.depth().items():
                 depth.add_metric([model, priority], n)
             queued.add_metric([model], q.tokens_queued)
         failovers = CounterMetricFamily("sluice_limits_store_failovers",
                                         "Times the shared counter store became unreachable.")
-        failovers.add_metric([], self.failovers())
+        failovers.add_metric([], self.store.failovers)
         reservations = GaugeMetricFamily(
             "sluice_ratelimit_reservations_open",
             "Rate-limit reservations this process took and has not settled and released.")
         slots = GaugeMetricFamily("sluice_ratelimit_concurrency_slots_held",
                                   "Tenant concurrency slots this process holds.")
-        limiter = self.limiter()
-        reservations.add_metric([], limiter.open_reservations if limiter else 0)
-        slots.add_metric([], limiter.held_slots if limiter else 0)
-        yield from (up, kv, running, waiting, in_flight, promised, restarts, prefix, depth,
-                    queued, failovers, reservations, slots)
+        reservations.add_metric([], self.limiter.open_reservations)
+        slots.add_metric([], self.limiter.held_slots)
+        yield from (up, kv, running, waiting, in_flight, promised, restarts, breaker, prefix,
+                    depth, queued, failovers, reservations, slots)
         yield from self._adaptive()
         yield from self._cost()

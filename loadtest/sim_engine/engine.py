@@ -11,8 +11,10 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from prometheus_client import Counter
+
 from loadtest.sim_engine.kv_cache import KVCache
-from loadtest.sim_engine.metrics import SimMetrics
+from loadtest.sim_engine.metrics import sim_metrics
 from loadtest.sim_engine.profiles import Profile
 from loadtest.sim_engine.scheduler import Scheduler, SimRequest
 
@@ -30,6 +32,11 @@ class SimEngine:
         scheduling_policy: ``fcfs`` or ``priority`` (vLLM ``--scheduling-policy``).
         prompt_tokens_details: report ``usage.prompt_tokens_details.cached_tokens``
             (vLLM ``--enable-prompt-tokens-details``).
+
+    Attributes:
+        priorities: ``sim:requests_by_priority_total{priority}``, a series vLLM does
+            not have: requests received per ``priority`` value (so tests can see what
+            the gateway sent).
     """
 
     def __init__(self, profile: Profile, model_name: str, speed: float = 1.0,
@@ -50,7 +57,9 @@ class SimEngine:
         self.kv = KVCache(profile.num_blocks, profile.block_size)
         self.scheduler = Scheduler(profile, self.kv, scheduling_policy)
         self.prompt_tokens_details = prompt_tokens_details
-        self.metrics = SimMetrics(self.scheduler, model_name)
+        self.metrics = sim_metrics(self.scheduler, model_name)
+        self.priorities = Counter("sim:requests_by_priority", "Requests received by priority.",
+                                  ["priority"], registry=self.metrics.registry)
         self._wake = asyncio.Event()
 
     def set_speed(self, speed: float) -> None:

@@ -120,7 +120,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     wake = asyncio.Event()
     req = SimRequest(shape.id, n_prompt, hashes, max_tokens, priority=parsed.priority,
                      notify=wake.set)
-    engine.metrics.priority.labels(str(parsed.priority)).inc()
+    engine.priorities.labels(str(parsed.priority)).inc()
     engine.submit(req)
     try:
         if parsed.stream:

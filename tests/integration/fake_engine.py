@@ -2,7 +2,7 @@
 for the failure modes the gateway must survive.
 
 It speaks the same API as vLLM (``/v1/chat/completions``, ``/v1/completions``,
-``/v1/models``, ``/health``, ``/metrics`` with vLLM metric names) and records what it
+``/v1/models``, ``/health``, ``/metrics`` from the shared vLLM exposition writer) and records what it
 received. ``mode`` selects a behaviour for the next requests:
 
 * ``ok``: the answer ``reply`` (streamed one word per chunk, usage when asked).
@@ -30,6 +30,8 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from loadtest.sim_engine.metrics import EngineStats, VllmExposition
+
 
 @dataclass
 class FakeEngine:
@@ -48,6 +50,11 @@ class FakeEngine:
     aborted: int = 0
     runner: web.AppRunner | None = None
     port: int = 0
+    exposition: VllmExposition = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.exposition = VllmExposition(self.model, lambda: EngineStats(
+            running=self.running, kv_cache_usage=self.kv_usage))
 
     @property
     def url(self) -> str:
@@ -81,16 +88,7 @@ class FakeEngine:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        labels = f'engine="0",model_name="{self.model}"'
-        text = (
-            f"vllm:num_requests_running{{{labels}}} {self.running}\n"
-            f"vllm:num_requests_waiting{{{labels}}} 0\n"
-            f"vllm:kv_cache_usage_perc{{{labels}}} {self.kv_usage}\n"
-            f"vllm:prefix_cache_queries_total{{{labels}}} 0\n"
-            f"vllm:prefix_cache_hits_total{{{labels}}} 0\n"
-            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="1000",{labels}}} 1\n'
-        )
-        return web.Response(text=text, content_type="text/plain")
+        return web.Response(body=self.exposition.render(), content_type="text/plain")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, chat=True)

@@ -269,9 +269,13 @@ async def test_first_token_timeouts_count_as_failed_probes(engines):
             assert r.status == 504
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 3
-        while engine.routable and loop.time() < deadline:
+        assert engine.breaker.state.value == "open" and not engine.routable
+        metrics = await (await gw.session.get(gw.url + "/metrics")).text()
+        assert 'sluice_engine_breaker_open{engine="e0",model="fake-model"} 1.0' in metrics
+        while engine.state.value != "unhealthy" and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        assert (engine.state.value, engine.upstream_failures) == ("unhealthy", 2)
+        # the two requests, then the runner's failed inference probes
+        assert engine.state.value == "unhealthy" and engine.breaker.failures >= 2
         await asyncio.sleep(1.5)  # /health answers, but the inference probe still hangs
         assert engine.state.value == "unhealthy"
         fake.mode = "ok"  # a 1-token completion answers again: back in service

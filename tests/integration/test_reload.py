@@ -6,8 +6,8 @@ import asyncio
 import os
 import signal
 
-from gateway.app import RELOADER
 from gateway.auth import hash_key
+from gateway.keys import RELOADER
 from tests.integration.conftest import make_config, run_gateway
 from tests.integration.test_gateway_api import CHAT
 

@@ -30,6 +30,7 @@ METRICS: dict[str, set[str]] = {
     "sluice_engine_requests_running": {"engine", "model"},
     "sluice_engine_requests_waiting": {"engine", "model"},
     "sluice_engine_restarts_total": {"engine", "model"},
+    "sluice_engine_breaker_open": {"engine", "model"},
     "sluice_engine_prefix_match_ratio": {"engine", "model"},
     "sluice_config_reloads_total": {"result"},
 }
