@@ -192,13 +192,13 @@ class Placer:
         if decision is None:
             return None
         engine = decision.engine
+        uncached = self.uncached(engine, need.sched, now)  # before record() adds the blocks
         blocks = kv_blocks(need.tokens, engine.block_size)
         lease = self.pool.lease(engine, blocks)
         self.scheduler.record(need.sched, engine, now)
         if engine.latency is None:
             return Placement(lease, decision.scores)
-        flight = engine.latency.sent(self.uncached(engine, need.sched, now),
-                                     need.sched.prompt_tokens,
+        flight = engine.latency.sent(uncached, need.sched.prompt_tokens,
                                      self.slo.target(need.priority).tpot_s,
                                      PRIORITIES.index(need.priority))
         return Placement(lease, decision.scores, flight, self._close_flight)

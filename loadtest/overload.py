@@ -160,8 +160,9 @@ def write_gateway_config(directory: Path, engine_urls: list[str], args: argparse
         **(gateway_extra or {}),
     }))
     (directory / "engines.yaml").write_text(yaml.safe_dump({
-        "engines": [{"name": f"sim-{i}", "model": MODEL, "kind": "external", "url": u}
-                    for i, u in enumerate(engine_urls)],
+        # external: the benchmark starts the simulators; they tokenize as the simulator
+        "engines": [{"name": f"sim-{i}", "model": MODEL, "kind": "external", "url": u,
+                     "tokenizer": "fallback"} for i, u in enumerate(engine_urls)],
         "supervisor": {"metrics_interval_s": 0.25, "probe_interval_s": 1.0,
                        "inference_probe_idle_s": 3600},
         "saturation": saturation,
