@@ -170,7 +170,7 @@ class Placer:
                            f"{target.ttft_s:g} s TTFT target any more; shed",
                            retry_after_s=self.retry_after(model), reason="predicted_miss")
         band = PRIORITIES.index(priority)
-        urgent = self.band_demand(model).urgent_occupancy(priority) / max(1, len(ready))
+        urgent = self.band_demand(model).urgent_reserve(priority) / max(1, len(ready))
         return [e for e in engines if e.latency is None or e.latency.decide(
             self.uncached(e, need.sched, now), budget, target.tpot_s, engine_load(e),
             max(0.0, urgent - e.latency.urgent_in_flight(band))).admit]

@@ -17,8 +17,9 @@ The decision (:func:`decide`, pure): an engine takes a request when
 
 Room for more urgent bands: by Little's law a band occupies on average ``λ × S``
 requests in service (its arrival rate times its mean time on an engine); a request
-of a less urgent band leaves room for the share of that occupancy the band does not
-have on the engine yet (:class:`BandDemand`). Under overload the urgent bands thus
+of a less urgent band leaves room for the engine's share of that occupancy, plus a
+square-root margin for its fluctuation, that the urgent bands do not hold there yet
+(:meth:`BandDemand.urgent_reserve`). Under overload the urgent bands thus
 find a free place on arrival instead of waiting for a whole generation to end (the
 queue already serves them first), and at light load the reserve is what they use
 anyway. This replaces a configured ``interactive_reserve``.
@@ -111,10 +112,12 @@ class BandDemand:
         bands: band names, most urgent first.
         tau_s: time constant of the arrival rates, s (default 10).
         alpha: EWMA weight of a new service time (default 0.1).
+        beta: the square-root staffing margin of :meth:`urgent_reserve` (default 1).
     """
 
     def __init__(self, clock: Clock, bands: Sequence[str], *, tau_s: float = 10.0,
-                 alpha: float = 0.1) -> None:
+                 alpha: float = 0.1, beta: float = 1.0) -> None:
+        self.beta = beta
         self.clock = clock
         self.bands = list(bands)
         self._rate = {b: DrainRate(tau_s) for b in self.bands}
@@ -141,6 +144,15 @@ class BandDemand:
     def urgent_occupancy(self, band: str) -> float:
         """Summed occupancy of the bands more urgent than ``band``."""
         return sum(self.occupancy(b) for b in self.bands[:self.bands.index(band)])
+
+    def urgent_reserve(self, band: str) -> float:
+        """Places to keep for the bands more urgent than ``band``, fleet-wide: their
+        occupancy ``R`` plus ``beta × √R`` for its Poisson fluctuation — the
+        square-root staffing rule (Halfin & Whitt, Operations Research 1981), under
+        which an arriving urgent request rarely finds every place taken (β = 1: about
+        one in five waits, briefly, in the many-server limit)."""
+        r = self.urgent_occupancy(band)
+        return r + self.beta * math.sqrt(r)
 
 
 @dataclass(eq=False)

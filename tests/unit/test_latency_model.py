@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+import config.schema  # noqa: F401 - first: engines.interfaces alone hits an import cycle
 from limits.engine_latency import EngineLatency, decide
 from limits.gradient import GradientLimiter
 from limits.latency_model import LatencyModel, LatencyPrior, RecursiveLeastSquares
@@ -215,9 +216,9 @@ def test_ledger_learns_batch_and_prefill_from_flights() -> None:
 
 
 def test_predicted_ttft_scorer_weighs_cached_tokens_against_queued_prefill() -> None:
-    from engines.interfaces import SchedRequest
     from engines.plugins import SCORERS, PredictedTtft
     from engines.pool import Engine
+    from engines.scheduler import SchedRequest
 
     assert SCORERS["predicted-ttft"] is PredictedTtft
     clock = FakeClock()
@@ -266,6 +267,8 @@ def test_band_demand_is_arrival_rate_times_service_time() -> None:
     assert d.occupancy("standard") == pytest.approx(2.0, rel=0.1)
     assert d.urgent_occupancy("interactive") == 0
     assert d.urgent_occupancy("batch") == pytest.approx(10.0, rel=0.1)
+    assert d.urgent_reserve("batch") == pytest.approx(10.0 + 10.0 ** 0.5, rel=0.1)
+    assert d.urgent_reserve("interactive") == 0
     eng = EngineLatency(LatencyModel(), clock)
     eng.sent(10, 10, 0.1, band=0)
     eng.sent(10, 10, 0.1, band=2)
