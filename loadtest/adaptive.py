@@ -20,7 +20,8 @@ TPOT ≤ 100 ms; rejections count as misses).
    limit; ``adaptive`` and ``static_tuned`` at 3× that capacity.
 3. **shift** — one adaptive gateway on the homogeneous engines at ``--shift-load`` ×
    capacity; the prompts switch from short (user turn 20–100 tokens, 16–64 output)
-   to long (600–1,200, 64–128) and back every ``--shift-phase`` s. The mean learned
+   to long (300–700, 64–128: a prefill the engine can still start within the 1 s TTFT
+   target when nothing is queued) and back every ``--shift-phase`` s. The mean learned
    limit (``sluice_engine_concurrency_limit``) is sampled every 0.5 s;
    ``convergence_s`` is the longest time, after a switch, until both the limit stays
    within 25 % (at least ±1) of its value over the last 40 % of the phase and the
@@ -322,7 +323,7 @@ def shift_workload(rate: float, phase_s: float, seed: int, max_output: int) -> l
     for i, t in enumerate(poisson_times(int(3 * phase_s * rate) + 1, rate, rng)):
         name, prio, slot, _, sys_tokens = rng.choices(TENANTS, [x[3] for x in TENANTS])[0]
         long_phase = phase_s <= t < 2 * phase_s
-        user = rng.randint(600, 1200) if long_phase else rng.randint(20, 100)
+        user = rng.randint(300, 700) if long_phase else rng.randint(20, 100)
         out = rng.randint(64, 128) if long_phase else rng.randint(16, 64)
         messages = [
             {"role": "system", "content": synthetic_text(f"tenant/{name}/system", sys_tokens)},
@@ -520,7 +521,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.probe_batches, args.probe_duration, args.probe_warmup = [6, 8, 10], 15.0, 5.0
-        args.duration, args.drain, args.shift_phase, args.warmup_s = 25.0, 10.0, 25.0, 15.0
+        args.duration, args.drain, args.shift_phase = 25.0, 10.0, 25.0
     return args
 
 
