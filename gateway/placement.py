@@ -6,6 +6,12 @@ and the engine lease it holds while the upstream call runs.
 engine before the first byte is an iteration over :meth:`Placer.attempts`: each
 attempt is a fresh :class:`Placement` that excludes the engines already tried.
 
+For a model with ``role: prefill`` engines the first placement is the
+disaggregation choice (:mod:`gateway.disagg`): a lease on the decode engine and,
+when the request is split, one on its prefill engine; retries of the prefill leg
+iterate over :meth:`Placer.prefill_attempts`. Whole requests and decode legs go only
+to engines of role ``decode`` or ``both``.
+
 With adaptive admission (``saturation.adaptive``), an engine with room must also be
 predicted to serve the request within its band's SLO (:mod:`limits.engine_latency`),
 and each placement holds a :class:`~limits.engine_latency.Flight` in the engine's
@@ -17,12 +23,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from config.schema import PRIORITIES, AdaptiveConfig, Priority, SloConfig
 from engines.plugins import engine_load
 from engines.pool import Engine, EngineLease, EnginePool
 from engines.scheduler import SchedRequest, Scheduler
+from gateway.disagg import Disaggregator, role, serves_whole
 from limits.engine_latency import BandDemand, EngineLatency, Flight
 from limits.interfaces import Clock
 from limits.latency_model import LatencyModel
@@ -37,10 +45,18 @@ class Placement:
 
     ``async with placement:`` releases the lease on exit; :meth:`release` is
     idempotent, so the admission queue's undo and the exit may both run.
+
+    A split request also holds ``prefill``, the lease on its prefill engine (the
+    prompt's blocks), until its prefill leg ends; ``uncached`` is the prompt tokens
+    the first engine is predicted to compute. With adaptive admission, ``flight`` is
+    the request's entry in the engine's latency ledger and ``on_release`` closes it
+    (once, on the first :meth:`release`).
     """
 
     lease: EngineLease
     scores: dict[str, float] = field(default_factory=dict)
+    prefill: EngineLease | None = None
+    uncached: int = 0
     flight: Flight | None = None
     on_release: Callable[[Placement], None] | None = None
 
@@ -57,6 +73,8 @@ class Placement:
             done, self.on_release = self.on_release, None
             done(self)
         self.lease.release()
+        if self.prefill is not None:
+            self.prefill.release()
 
     async def __aenter__(self) -> Placement:
         return self
@@ -73,6 +91,8 @@ class Need:
         sched: the scheduler's view (model, prompt blocks, session…).
         priority: the tenant's priority (the saturation check's reserve).
         tokens: KV-cache tokens it may occupy: prompt + output cap × sequences.
+        splittable: may be split into prefill and decode legs (one sequence: the
+            connector protocol carries one).
         arrived: clock time it reached the gateway, s (its TTFT target counts from
             there); None: no SLO check.
     """
@@ -80,6 +100,7 @@ class Need:
     sched: SchedRequest
     priority: Priority
     tokens: int
+    splittable: bool = True
     arrived: float | None = None
 
 
@@ -91,6 +112,8 @@ class Placer:
         scheduler: picks one engine among the candidates and records dispatches.
         detector: whether an engine has room for a request (KV blocks, in-flight cap).
         clock: monotonic time, s (the metrics snapshots' clock).
+        disagg: the split choice, for the models in ``split_models`` (those with
+            prefill engines).
         slo: the per-band targets.
         adaptive: the adaptive admission's settings; when enabled every engine of the
             pool gets an :class:`~limits.engine_latency.EngineLatency`.
@@ -99,12 +122,16 @@ class Placer:
 
     def __init__(self, *, pool: EnginePool, scheduler: Scheduler,
                  detector: SaturationDetector, clock: Clock,
+                 disagg: Disaggregator | None = None,
+                 split_models: frozenset[str] = frozenset(),
                  slo: SloConfig | None = None, adaptive: AdaptiveConfig | None = None,
                  retry_after: Callable[[str], int] = lambda m: 1) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.detector = detector
         self.clock = clock
+        self.disagg = disagg
+        self.split_models = split_models if disagg is not None else frozenset()
         self.slo = slo or SloConfig()
         self.adaptive = adaptive or AdaptiveConfig(enabled=False)
         self.retry_after = retry_after
@@ -119,11 +146,14 @@ class Placer:
                     clock, z=self.adaptive.confidence_z)
 
     def candidates(self, model: str, priority: Priority, tokens: int,
-                   exclude: frozenset[str] = frozenset()) -> list[Engine]:
-        """Ready engines of ``model`` not in ``exclude`` with room for ``tokens``."""
+                   exclude: frozenset[str] = frozenset(), *,
+                   prefill: bool = False) -> list[Engine]:
+        """Ready engines of ``model`` not in ``exclude`` with room for ``tokens``:
+        of role ``prefill`` for a prefill leg, else of role ``decode`` or ``both``."""
         now = self.clock.now()
         return [e for e in self.pool.for_model(model)
                 if e.routable and e.id not in exclude
+                and (role(e) == "prefill" if prefill else serves_whole(e))
                 and self.detector.admits(e, priority, tokens, now)]
 
     def band_demand(self, model: str) -> BandDemand:
@@ -155,7 +185,7 @@ class Placer:
         target = self.slo.target(priority)
         budget = target.ttft_s - (now - need.arrived)
         z = self.adaptive.confidence_z
-        ready = [e for e in self.pool.for_model(model) if e.routable]
+        ready = [e for e in self.pool.for_model(model) if e.routable and serves_whole(e)]
         best = math.inf
         for e in ready:
             lat = e.latency
@@ -188,6 +218,8 @@ class Placer:
             candidates = self.within_slo(candidates, need, now)
         if not candidates:
             return None
+        if need.sched.model in self.split_models and need.splittable and not exclude:
+            return self._place_split(need, candidates, now)
         decision = self.scheduler.pick(need.sched, candidates, now)
         if decision is None:
             return None
@@ -197,11 +229,12 @@ class Placer:
         lease = self.pool.lease(engine, blocks)
         self.scheduler.record(need.sched, engine, now)
         if engine.latency is None:
-            return Placement(lease, decision.scores)
+            return Placement(lease, decision.scores, uncached=uncached)
         flight = engine.latency.sent(uncached, need.sched.prompt_tokens,
                                      self.slo.target(need.priority).tpot_s,
                                      PRIORITIES.index(need.priority))
-        return Placement(lease, decision.scores, flight, self._close_flight)
+        return Placement(lease, decision.scores, uncached=uncached, flight=flight,
+                         on_release=self._close_flight)
 
     def _close_flight(self, placement: Placement) -> None:
         """A placement's release: its flight leaves the ledger (learning nothing if
@@ -212,6 +245,64 @@ class Placer:
         engine.latency.finished(flight, ok=False)  # no-op if already finished
         self.band_demand(engine.model).served(PRIORITIES[flight.band],
                                          self.clock.now() - flight.sent_at)
+
+    def _place_split(self, need: Need, candidates: list[Engine], now: float) -> Placement | None:
+        """The disaggregation choice among ``candidates`` (decode side) and the
+        prefill engines with room for the prompt; leases what it chose."""
+        assert self.disagg is not None
+        sched = need.sched
+        prefill = self.candidates(sched.model, need.priority, sched.prompt_tokens, prefill=True)
+        cached = ({e.id: self.scheduler.index.match(e, sched.blocks, now) * sched.block_size
+                   for e in (*candidates, *prefill)} if sched.blocks and sched.block_size else {})
+        choice = self.disagg.choose(sched.prompt_tokens, cached, candidates, prefill)
+        if choice is None:
+            return None
+        lease = self.pool.lease(choice.decode, kv_blocks(need.tokens, choice.decode.block_size))
+        self.scheduler.record(sched, choice.decode, now)
+        scores = {"pd_split": float(choice.prefill is not None),
+                  "pd_predicted_ttft_ms": choice.ttft_s * 1000}
+        placement = Placement(lease, scores, uncached=choice.uncached)
+        if choice.prefill is not None:
+            placement.prefill = self._lease_prefill(need, choice.prefill, now)
+        return placement
+
+    def _lease_prefill(self, need: Need, engine: Engine, now: float) -> EngineLease:
+        lease = self.pool.lease(engine, kv_blocks(need.sched.prompt_tokens, engine.block_size))
+        self.scheduler.record(need.sched, engine, now)  # its prefix cache will hold the prompt
+        return lease
+
+    def prefill_attempts(self, placement: Placement, need: Need,
+                         max_attempts: int) -> Iterator[EngineLease]:
+        """``placement.prefill``, then — each time the caller asks for another (its
+        prefill leg failed) — a lease on a prefill engine not tried yet with the
+        shortest predicted prefill queue, up to ``max_attempts`` in all; ends when
+        none has room. The caller releases each lease it receives (``with``)."""
+        assert self.disagg is not None
+        tried: set[str] = set()
+        lease = placement.prefill
+        while lease is not None:
+            tried.add(lease.engine.id)
+            yield lease
+            if len(tried) >= max_attempts:
+                return
+            others = self.candidates(need.sched.model, need.priority, need.sched.prompt_tokens,
+                                     frozenset(tried), prefill=True)
+            if not others:
+                return
+            best = min(others, key=self.disagg.speed.wait_s)
+            lease = placement.prefill = self._lease_prefill(need, best, self.clock.now())
+
+    @contextmanager
+    def prefill_tracking(self, placement: Placement,
+                         tracked: bool) -> Iterator[Callable[[], None] | None]:
+        """While a ``tracked`` whole request runs on ``placement``'s engine, count its
+        uncached prompt as queued prefill there (the split choice's prediction);
+        yields the first-token callback, or None when not tracked."""
+        if not tracked or self.disagg is None:
+            yield None
+            return
+        with self.disagg.speed.track(placement.engine, placement.uncached) as first_token:
+            yield first_token
 
     def attempts(self, first: Placement, need: Need, max_attempts: int) -> Iterator[Placement]:
         """``first``, then — each time the caller asks for another (its attempt failed

@@ -15,6 +15,9 @@ SUBCOMMANDS = {
     "semcache": "loadtest.semcache",
     "validate-sim": "loadtest.validate_sim",
     "token-estimate": "loadtest.token_estimate",
+    "fuzz": "loadtest.fuzz",
+    "faults": "loadtest.faults",
+    "soak": "loadtest.soak",
 }
 
 

@@ -8,11 +8,11 @@ with ``speed`` factors fit on a couple of cores.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 from prometheus_client import Counter
 
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 from loadtest.sim_engine.kv_cache import KVCache
 from loadtest.sim_engine.metrics import sim_metrics
 from loadtest.sim_engine.profiles import Profile
@@ -40,8 +40,8 @@ class SimEngine:
     """
 
     def __init__(self, profile: Profile, model_name: str, speed: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, *,
-                 scheduling_policy: str = "fcfs", prompt_tokens_details: bool = False) -> None:
+                 clock: Clock = MONOTONIC, *, scheduling_policy: str = "fcfs",
+                 prompt_tokens_details: bool = False) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
         capacity = (profile.num_blocks - 1) * profile.block_size
@@ -61,6 +61,8 @@ class SimEngine:
         self.priorities = Counter("sim:requests_by_priority", "Requests received by priority.",
                                   ["priority"], registry=self.metrics.registry)
         self._wake = asyncio.Event()
+        self._thawed = asyncio.Event()  # cleared while frozen
+        self._thawed.set()
 
     def set_speed(self, speed: float) -> None:
         """Run at ``speed`` (> 0) from the next step on."""
@@ -68,9 +70,19 @@ class SimEngine:
             raise ValueError("speed must be > 0")
         self.speed = speed
 
+    def freeze(self) -> None:
+        """Stop stepping (fault injection): running requests get no more tokens and
+        new ones wait, while ``/health`` and ``/metrics`` keep answering — an engine
+        hung with a healthy health check. :meth:`thaw` resumes."""
+        self._thawed.clear()
+
+    def thaw(self) -> None:
+        """Resume stepping after :meth:`freeze`."""
+        self._thawed.set()
+
     def submit(self, req: SimRequest) -> None:
         """Queue ``req`` (its ``arrival_s`` is set to now)."""
-        req.arrival_s = self.clock()
+        req.arrival_s = self.clock.now()
         self.scheduler.add(req)
         self._wake.set()
 
@@ -80,9 +92,14 @@ class SimEngine:
         self.scheduler.abort(req)
         self._wake.set()
 
+    def wake(self) -> None:
+        """Make the step loop look for work (blocks were freed from outside)."""
+        self._wake.set()
+
     async def run(self) -> None:
         """Step forever (cancel to stop)."""
         while True:
+            await self._thawed.wait()
             plan = self.scheduler.schedule() if self.scheduler.has_work else None
             if plan is None or not plan.scheduled:
                 self._wake.clear()
@@ -91,7 +108,7 @@ class SimEngine:
             step_s = self.profile.step_seconds(plan.prefill_tokens, plan.decode_seqs,
                                                plan.kv_tokens)
             await asyncio.sleep(step_s / self.speed)
-            now = self.clock()
+            now = self.clock.now()
             for req in self.scheduler.commit(plan, now):
                 if req.last_itl_s is None:
                     self.metrics.ttft.observe((now - req.arrival_s) * self.speed)

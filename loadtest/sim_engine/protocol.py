@@ -6,10 +6,11 @@ for chat, a usage-only last chunk (empty ``choices``) when
 ``{"error": {"message", "type", "param", "code"}}``
 (``vllm/entrypoints/serve/engine/protocol.py`` ``ErrorResponse``).
 
-Simplifications (documented, deliberate): one choice (``n`` = 1), one prompt per
-completion request, output length = ``max_tokens`` (no stop strings, finish reason
-``length``), default ``max_tokens`` 16 (OpenAI's legacy completions default; vLLM
-defaults to the rest of the context).
+``n`` > 1 runs ``n`` sequences on the same prompt (choices ``index`` 0 … n − 1, usage
+summing their output), as vLLM does. Simplifications (documented, deliberate): one
+prompt per completion request, ``best_of`` ignored, output length = ``max_tokens``
+(no stop strings, finish reason ``length``), default ``max_tokens`` 16 (OpenAI's
+legacy completions default; vLLM defaults to the rest of the context).
 """
 
 from __future__ import annotations
@@ -56,19 +57,19 @@ class ParsedRequest:
             when ``prompt_token_ids`` is given.
         prompt_token_ids: a completions prompt given as token ids.
         max_tokens: output tokens to generate, or None for the default.
+        n: choices (sequences) to generate.
         stream, include_usage: SSE streaming and the final usage chunk.
         cache_salt: prefix-cache isolation key (vLLM's ``cache_salt``).
-        priority: vLLM's ``priority`` (lower is earlier; 0 by default).
     """
 
     chat: bool
     prompt_text: str | None
     prompt_token_ids: list[int] | None
     max_tokens: int | None
+    n: int
     stream: bool
     include_usage: bool
     cache_salt: str | None
-    priority: int = 0
 
 
 def render_chat(messages: list[dict[str, Any]]) -> str:
@@ -85,25 +86,42 @@ def _text(content: Any) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts = [p for p in content if isinstance(p, dict)]
+        if not all(isinstance(p.get("text", ""), str) for p in parts):
+            # vLLM's pydantic models answer 400 for a text part whose text is not a string
+            raise RequestError("a content part's text must be a string", param="messages")
+        return "".join(p.get("text", "") for p in parts)
     raise RequestError("message content must be a string or a list of parts",
                        param="messages")
 
 
-def _common(body: Any, served_model: str) -> tuple[int | None, bool, bool, str | None, int]:
+def _output_cap(body: dict[str, Any], chat: bool) -> Any:
+    """The output cap as vLLM 0.32 reads it: chat takes ``max_completion_tokens`` when
+    it is not null, else ``max_tokens`` (``ChatCompletionRequest.to_sampling_params``,
+    ``vllm/entrypoints/openai/chat_completion/protocol.py``); completions read
+    ``max_tokens`` only."""
+    if chat and body.get("max_completion_tokens") is not None:
+        return body["max_completion_tokens"]
+    return body.get("max_tokens")
+
+
+def _common(body: Any, served_model: str,
+            chat: bool) -> tuple[int | None, int, bool, bool, str | None]:
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     model = body.get("model")
     if model is not None and model != served_model:
         raise RequestError(f"The model `{model}` does not exist.", 404, "NotFoundError",
                            "model")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _output_cap(body, chat)
     if max_tokens is not None and (not isinstance(max_tokens, int)
                                    or isinstance(max_tokens, bool) or max_tokens < 1):
         raise RequestError(f"max_tokens must be at least 1, got {max_tokens}.",
                            param="max_tokens")
-    if body.get("n", 1) != 1:
-        raise RequestError("the simulator supports n = 1 only", param="n")
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise RequestError(f"n must be at least 1, got {n}.", param="n")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("stream must be a boolean", param="stream")
@@ -120,40 +138,36 @@ def _common(body: Any, served_model: str) -> tuple[int | None, bool, bool, str |
         raise RequestError("Parameter 'cache_salt' must be a non-empty string of at most "
                            "128 characters without '@', '/', '\\\\' or NUL.",
                            param="cache_salt")
-    priority = body.get("priority", 0)
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise RequestError("priority must be an integer", param="priority")
-    return max_tokens, stream, bool(opts.get("include_usage")), salt, priority
+    return max_tokens, n, stream, bool(opts.get("include_usage")), salt
 
 
 def parse_chat(body: Any, served_model: str) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` body; raises :class:`RequestError`."""
-    max_tokens, stream, include_usage, salt, priority = _common(body, served_model)
+    max_tokens, n, stream, include_usage, salt = _common(body, served_model, chat=True)
     messages = body.get("messages")
     if (not isinstance(messages, list) or not messages
             or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                        for m in messages)):
         raise RequestError("messages must be a non-empty list of {role, content}",
                            param="messages")
-    return ParsedRequest(True, render_chat(messages), None, max_tokens, stream,
-                         include_usage, salt, priority)
+    return ParsedRequest(True, render_chat(messages), None, max_tokens, n, stream,
+                         include_usage, salt)
 
 
 def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     """Validate a ``/v1/completions`` body (prompt: a string, a one-string list or
     a list of token ids); raises :class:`RequestError`."""
-    max_tokens, stream, include_usage, salt, priority = _common(body, served_model)
+    max_tokens, n, stream, include_usage, salt = _common(body, served_model, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        return ParsedRequest(False, prompt, None, max_tokens, stream, include_usage, salt,
-                             priority)
+        return ParsedRequest(False, prompt, None, max_tokens, n, stream, include_usage, salt)
     if (isinstance(prompt, list) and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                     for t in prompt)):
-        return ParsedRequest(False, None, list(prompt), max_tokens, stream, include_usage,
-                             salt, priority)
+        return ParsedRequest(False, None, list(prompt), max_tokens, n, stream, include_usage,
+                             salt)
     raise RequestError("prompt must be a non-empty string or list of token ids "
                        "(one prompt per request)", param="prompt")
 
@@ -209,28 +223,32 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class ResponseShape:
-    """Builds one request's chunks and final body (``id`` and ``created`` fixed)."""
+    """Builds one request's chunks and final body (``id`` and ``created`` fixed).
+    ``request_id``: the client's ``X-Request-Id``, which vLLM makes the response id
+    (``chatcmpl-<id>`` / ``cmpl-<id>``); None draws a random one."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, request_id: str | None = None) -> None:
         self.chat, self.model = chat, model
-        self.id, self.created = new_id(chat), int(time.time())
+        self.id = new_id(chat) if request_id is None else \
+            f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.created = int(time.time())
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def role_chunk(self) -> bytes:
+    def role_chunk(self, index: int = 0) -> bytes:
         return sse({**self._head("chat.completion.chunk"), "choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": ""},
+            {"index": index, "delta": {"role": "assistant", "content": ""},
              "logprobs": None, "finish_reason": None}]})
 
-    def token_chunk(self, text: str, finished: bool) -> bytes:
+    def token_chunk(self, text: str, finished: bool, index: int = 0) -> bytes:
         reason = "length" if finished else None
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
+            choice = {"index": index, "delta": {"content": text}, "logprobs": None,
                       "finish_reason": reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
             obj = "text_completion"
         if finished:
             choice["stop_reason"] = None
@@ -241,15 +259,20 @@ class ResponseShape:
         return sse({**self._head(obj), "choices": [],
                     "usage": usage(prompt, completion, cached)})
 
-    def full(self, text: str, prompt: int, completion: int, cached: int | None = None) -> bytes:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text,
-                                              "tool_calls": []},
-                      "logprobs": None, "finish_reason": "length", "stop_reason": None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
-                      "stop_reason": None}
-            obj = "text_completion"
-        return dumps({**self._head(obj), "choices": [choice],
-                      "usage": usage(prompt, completion, cached)})
+    def full(self, texts: list[str], prompt: int, completion: int,
+             extra: dict[str, Any] | None = None, cached: int | None = None) -> bytes:
+        """The non-streaming body: one choice per text in ``texts``; ``extra`` adds
+        top-level fields (``kv_transfer_params``); ``cached`` as :func:`usage`."""
+        choices: list[dict[str, Any]] = []
+        for i, text in enumerate(texts):
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text,
+                                                        "tool_calls": []},
+                                "logprobs": None, "finish_reason": "length",
+                                "stop_reason": None})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": None,
+                                "finish_reason": "length", "stop_reason": None})
+        obj = "chat.completion" if self.chat else "text_completion"
+        return dumps({**self._head(obj), "choices": choices,
+                      "usage": usage(prompt, completion, cached), **(extra or {})})
