@@ -135,7 +135,9 @@ class Supervisor:
                                          clock=self.clock)
                 engine = Engine(id=engine_id, model=spec.model, base_url=base_url,
                                 breaker=breaker, labels={"spec": spec.name, "kind": spec.kind,
-                                                        "role": spec.role})
+                                                        "role": spec.role},
+                                priority_scheduling=spec.priority_scheduling,
+                                cost_per_hour=spec.cost_per_hour)
                 self.pool.add(engine)
                 self.runners.append(EngineRunner(
                     engine, spec, port, sup, self.pool, self.session, command=command,

@@ -45,6 +45,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"),
                    default="recompute",
                    help="blocks gone: prefill locally, or fail the request (vLLM's default)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens")
     args = p.parse_args(argv)
     if args.role != "both" and args.kv_connector is None:
         p.error("--role prefill/decode needs --kv-connector")
@@ -56,7 +59,9 @@ async def _serve_forever(args: argparse.Namespace) -> None:
         num_blocks=args.num_blocks, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len)
-    engine = SimEngine(profile, args.model, speed=args.speed)
+    engine = SimEngine(profile, args.model, speed=args.speed,
+                       scheduling_policy=args.scheduling_policy,
+                       prompt_tokens_details=args.enable_prompt_tokens_details)
     connector = None if args.kv_connector is None else SimConnector(
         engine, args.role, args.kv_transfer_gbps, args.kv_lease_s,
         args.kv_load_failure_policy)

@@ -202,9 +202,12 @@ def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(prompt: int, completion: int) -> dict[str, Any]:
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
+    """OpenAI usage; ``prompt_tokens_details.cached_tokens`` only when ``cached`` is
+    given (vLLM fills it with ``--enable-prompt-tokens-details``, else null)."""
+    details = None if cached is None else {"cached_tokens": cached}
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-            "completion_tokens": completion, "prompt_tokens_details": None}
+            "completion_tokens": completion, "prompt_tokens_details": details}
 
 
 def dumps(obj: Any) -> bytes:
@@ -251,14 +254,15 @@ class ResponseShape:
             choice["stop_reason"] = None
         return sse({**self._head(obj), "choices": [choice]})
 
-    def usage_chunk(self, prompt: int, completion: int) -> bytes:
+    def usage_chunk(self, prompt: int, completion: int, cached: int | None = None) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse({**self._head(obj), "choices": [], "usage": usage(prompt, completion)})
+        return sse({**self._head(obj), "choices": [],
+                    "usage": usage(prompt, completion, cached)})
 
     def full(self, texts: list[str], prompt: int, completion: int,
-             extra: dict[str, Any] | None = None) -> bytes:
+             extra: dict[str, Any] | None = None, cached: int | None = None) -> bytes:
         """The non-streaming body: one choice per text in ``texts``; ``extra`` adds
-        top-level fields (``kv_transfer_params``)."""
+        top-level fields (``kv_transfer_params``); ``cached`` as :func:`usage`."""
         choices: list[dict[str, Any]] = []
         for i, text in enumerate(texts):
             if self.chat:
@@ -270,5 +274,5 @@ class ResponseShape:
                 choices.append({"index": i, "text": text, "logprobs": None,
                                 "finish_reason": "length", "stop_reason": None})
         obj = "chat.completion" if self.chat else "text_completion"
-        return dumps({**self._head(obj), "choices": choices, "usage": usage(prompt, completion),
-                      **(extra or {})})
+        return dumps({**self._head(obj), "choices": choices,
+                      "usage": usage(prompt, completion, cached), **(extra or {})})
