@@ -28,6 +28,7 @@ from pydantic import (
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 Priority = Literal["interactive", "standard", "batch"]
+EngineRole = Literal["prefill", "decode", "both"]
 #: Priority bands, most urgent first; the index is the band number used by queues.
 PRIORITIES: tuple[Priority, ...] = ("interactive", "standard", "batch")
 
@@ -119,6 +120,33 @@ class ObservabilityConfig(_Strict):
     trace_prompts: bool = False
 
 
+class SloTarget(_Strict):
+    """Latency targets of one priority band: ``ttft_s`` from arrival at the gateway
+    to the first token (queue wait included), ``tpot_s`` mean time per output token
+    after the first."""
+
+    ttft_s: float = Field(..., gt=0, description="time to first token, s")
+    tpot_s: float = Field(..., gt=0, description="time per output token, s")
+
+
+class SloConfig(_Strict):
+    """Per-band SLOs the adaptive admission keeps each engine within
+    (``limits.engine_latency``). Defaults: interactive 1 s / 100 ms (a chat turn
+    starts within a second and streams faster than reading speed, ~5 words/s);
+    standard 2 s / 100 ms (API calls and agents, less sensitive to the start);
+    batch 10 s / 100 ms. TPOT is the same for every band on purpose: a request of a
+    looser TPOT band admitted past the tighter knee would hold the engine above it for
+    a whole generation, and the next interactive request could not be placed there."""
+
+    interactive: SloTarget = SloTarget(ttft_s=1.0, tpot_s=0.1)
+    standard: SloTarget = SloTarget(ttft_s=2.0, tpot_s=0.1)
+    batch: SloTarget = SloTarget(ttft_s=10.0, tpot_s=0.1)
+
+    def target(self, priority: Priority) -> SloTarget:
+        """The targets of ``priority``'s band."""
+        return getattr(self, priority)
+
+
 class GatewayConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -137,6 +165,7 @@ class GatewayConfig(_Strict):
         "for a tenant with tokens_per_min it also becomes the request's cap (lowered to "
         "what the quota can hold), so generation never exceeds what was reserved")
     drain_grace_s: float = Field(30.0, ge=0)
+    slo: SloConfig = SloConfig()
 
     @field_validator("admin_key_hashes")
     @classmethod
@@ -233,6 +262,15 @@ class EngineSpec(_Strict):
     metrics: admitted by in-flight count). None: the kind's own (``vllm`` for
     ``vllm``, ``sim`` and ``external``; ``llamacpp`` for ``llamacpp``). A ``sim``
     engine speaks its dialect (``--dialect``).
+
+    ``role`` (prefill–decode disaggregation): ``prefill`` engines take the prefill leg
+    of split requests and nothing else, ``decode`` engines the decode leg and whole
+    requests the gateway chooses not to split, ``both`` (the default) the same as
+    ``decode`` — for the simulator and vLLM it means a connector that both sends and
+    receives (``kv_both``). ``kv_connector``
+    names the KV connector the engine moves blocks with (vLLM's
+    ``--kv-transfer-config`` ``kv_connector``, e.g. ``NixlConnector``); a role other
+    than ``both`` needs one.
     """
 
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -255,6 +293,26 @@ class EngineSpec(_Strict):
         f"{FALLBACK_TOKENIZER!r} (the simulator's tokenizer), a folder with tokenizer.json, "
         f"or 'packaged:gemma3-270m'; None: model_path for kind vllm, {FALLBACK_TOKENIZER!r} "
         f"otherwise")
+    role: EngineRole = "both"
+    kv_connector: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    scheduling_policy: Literal["fcfs", "priority"] | None = Field(
+        None, description="vLLM's --scheduling-policy; None: read from args (fcfs if absent)")
+    cost_per_hour: float | None = Field(None, ge=0, description="price of one replica per hour")
+
+    @property
+    def priority_scheduling(self) -> bool:
+        """Whether the engine runs vLLM's priority scheduler, so the gateway may send
+        the band as ``priority`` (vLLM rejects a non-zero priority otherwise):
+        ``scheduling_policy``, or ``--scheduling-policy priority`` in ``args``."""
+        if self.scheduling_policy is not None:
+            return self.scheduling_policy == "priority"
+        args = list(self.args)
+        for i, a in enumerate(args):
+            if a == "--scheduling-policy" and i + 1 < len(args):
+                return args[i + 1] == "priority"
+            if a.startswith("--scheduling-policy="):
+                return a.split("=", 1)[1] == "priority"
+        return False
 
     @property
     def engine_dialect(self) -> str:
@@ -293,6 +351,8 @@ class EngineSpec(_Strict):
             raise ValueError("kind llamacpp speaks the llamacpp dialect")
         if self.port is not None and self.replicas > 1:
             raise ValueError("port fixes one process; use port_range with replicas > 1")
+        if self.role != "both" and self.kv_connector is None:
+            raise ValueError(f"role {self.role} needs kv_connector (how the KV cache moves)")
         return self
 
 
@@ -408,6 +468,28 @@ class SupervisorConfig(_Strict):
     stop_grace_s: float = Field(10.0, ge=0)
 
 
+class AdaptiveConfig(_Strict):
+    """The learned per-engine admission (``limits.engine_latency``): each engine's
+    TTFT and TPOT are fitted online and an engine takes a request only while the
+    predictions meet the request's band SLO (``gateway.yaml`` ``slo``).
+
+    ``confidence_z``: standard deviations added to each prediction (2: a request is
+    placed when it is predicted to meet its SLO with ~98 % confidence — the SLO is
+    per request, and the spread of per-request TPOT around the mean at a given batch
+    is what the knee must absorb; 1 measured ~84 % TPOT attainment at 3× on the
+    simulator). ``forgetting``: the fit's
+    forgetting factor per request (0.97: the last ~33 requests weigh most).
+    ``min_samples``: finished requests per engine before the model replaces the
+    gradient limiter. ``max_rel_error``: the model also yields to it while its
+    recent TPOT predictions are off by more than this fraction (drift)."""
+
+    enabled: bool = True
+    confidence_z: float = Field(2.0, ge=0)
+    forgetting: float = Field(0.97, gt=0, le=1)
+    min_samples: int = Field(20, ge=1)
+    max_rel_error: float = Field(0.35, gt=0)
+
+
 class SaturationConfig(_Strict):
     """When an engine is saturated for admission (``limits.saturation``): KV-cache
     usage at or above ``kv_watermark`` (``batch_kv_watermark`` for batch, keeping
@@ -428,6 +510,7 @@ class SaturationConfig(_Strict):
         4, ge=1, description="requests this gateway keeps in flight on an engine that "
         "reports no KV-cache usage (llama.cpp, TGI, a server without /metrics): its "
         "admission is the gateway's own in-flight count; llama.cpp's slot count")
+    adaptive: AdaptiveConfig = AdaptiveConfig()
 
     @model_validator(mode="after")
     def _order(self) -> SaturationConfig:
@@ -439,12 +522,43 @@ class SaturationConfig(_Strict):
         return self
 
 
+class DisaggregationConfig(_Strict):
+    """Prefill–decode disaggregation: whether and where the gateway splits a request
+    into a prefill leg and a decode leg (only for models with ``role: prefill``
+    engines; ``gateway.disagg``).
+
+    ``policy``: ``predicted`` chooses per request from predicted TTFT (prefill wait +
+    uncached prefill + KV transfer + decode-engine wait), running the prompt on a
+    decode engine instead when that is sooner and stalls that engine's running
+    streams by at most ``max_decode_stall_ms``; ``threshold`` splits every prompt of
+    at least ``threshold_tokens`` tokens (the fixed threshold, the baseline).
+    ``max_decode_stall_ms`` bounds the prefill backlog a busy decode engine may take
+    on, hence the longest inter-token gap its streams see from local prefills.
+    ``kv_bytes_per_token`` (2 × layers × KV heads × head dim × dtype bytes) and
+    ``transfer_gbps`` give the predicted transfer time (None: not counted).
+    ``prefill_tokens_per_s`` is each engine's prefill speed until the gateway has
+    observed it.
+    """
+
+    policy: Literal["predicted", "threshold"] = "predicted"
+    threshold_tokens: int = Field(512, ge=1, description="split prompts this long, tokens")
+    max_decode_stall_ms: float = Field(
+        200.0, ge=0, description="largest predicted prefill backlog on a busy decode engine, ms")
+    kv_bytes_per_token: int | None = Field(None, ge=1, description="bytes of KV per token")
+    transfer_gbps: float = Field(100.0, gt=0, description="KV transfer bandwidth, Gbit/s")
+    prefill_tokens_per_s: float = Field(
+        10_000.0, gt=0, description="prior prefill speed per engine, tokens/s")
+
+
 class EnginesConfig(_Strict):
     engines: list[EngineSpec] = Field(default_factory=list)
     models: list[ModelConfig] = Field(default_factory=list)
-    scheduler: SchedulerConfig = SchedulerConfig()
+    # built per instance: the scheduler's default plugins are validated against the
+    # plugin registry in engines/, which must not be imported while this module loads
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     supervisor: SupervisorConfig = SupervisorConfig()
     saturation: SaturationConfig = SaturationConfig()
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
 
     @model_validator(mode="after")
     def _unique(self) -> EnginesConfig:
@@ -468,6 +582,6 @@ class Config(_Strict):
     """The whole configuration; ``paths`` records which files it came from."""
 
     gateway: GatewayConfig = GatewayConfig()
-    engines: EnginesConfig = EnginesConfig()
+    engines: EnginesConfig = Field(default_factory=EnginesConfig)  # see scheduler above
     tenants: TenantsConfig = TenantsConfig()
     paths: dict[str, str] = Field(default_factory=dict)

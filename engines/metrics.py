@@ -2,15 +2,13 @@
 
 :func:`parse_metrics` is pure; :class:`MetricsPoller` is the per-engine I/O loop that
 scrapes on an interval and stores each snapshot with :meth:`EnginePool.set_metrics`.
-Metric names are vLLM's (see ``DESIGN.md``, "Engines").
+Metric names are vLLM's (see ``docs/engines.md``, "Metrics").
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -18,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engines.kinds import SIGNALS, EngineKind, present
 from engines.pool import Engine, EnginePool, MetricsSnapshot
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class MetricsPoller:
         *,
         interval_s: float,
         timeout_s: float,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = MONOTONIC,
         kind: EngineKind | None = None,
     ) -> None:
         from engines.kinds import KINDS
@@ -203,7 +203,7 @@ class MetricsPoller:
                     log.debug("metrics %s: HTTP %d", url, resp.status)
                     return None
                 text = await resp.text()
-            snapshot = self.kind.parse(text, self.clock(), self.engine.metrics)
+            snapshot = self.kind.parse(text, self.clock.now(), self.engine.metrics)
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             log.debug("metrics %s: %r", url, e)
             return None
@@ -216,8 +216,7 @@ class MetricsPoller:
         if self.kind.metrics_path is None:
             await self.scrape_once()
             return
-        loop = asyncio.get_running_loop()
         while True:
-            started = loop.time()
+            started = self.clock.now()
             await self.scrape_once()
-            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
+            await asyncio.sleep(max(0.0, self.interval_s - (self.clock.now() - started)))

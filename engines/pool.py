@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engines.breaker import CircuitBreaker
+from limits.engine_latency import EngineLatency
 
 
 class EngineState(enum.Enum):
@@ -79,6 +80,11 @@ class Engine:
             its in-flight requests instead of waiting for metrics.
         breaker: the engine's :class:`~engines.breaker.CircuitBreaker` (requests that
             timed out before their first token or could not connect open it).
+        priority_scheduling: runs vLLM's ``--scheduling-policy priority`` (the
+            gateway forwards the band as ``priority``).
+        cost_per_hour: the spec's price per replica-hour, or None.
+        latency: its learned latency model and request ledger (the adaptive
+            admission), or None while adaptive admission is off.
     """
 
     id: str
@@ -93,6 +99,9 @@ class Engine:
     metered: bool = True
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     labels: dict[str, str] = field(default_factory=dict)
+    priority_scheduling: bool = False
+    cost_per_hour: float | None = None
+    latency: EngineLatency | None = None
 
     @property
     def routable(self) -> bool:

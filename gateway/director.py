@@ -1,4 +1,4 @@
-"""The per-request pipeline (DESIGN.md, "Request flow"): parse → tenant checks →
+"""The per-request pipeline (docs/architecture.md, "One request"): parse → tenant checks →
 cache lookup → rate limit → admission (queue, degradation, shedding) → schedule →
 proxy (retrying on another engine only before the first byte) → finish.
 
@@ -11,7 +11,9 @@ leases live in :mod:`gateway.placement`; this module orchestrates.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
+from collections.abc import Callable
 
 from aiohttp import web
 from opentelemetry.trace import SpanKind
@@ -19,16 +21,19 @@ from opentelemetry.trace import SpanKind
 from cache.policy import request_cacheable
 from cache.replay import as_json, as_sse
 from cache.service import CacheHit, CacheRequest, ResponseCache
-from config.schema import Config, DegradationConfig, TenantQuota
-from engines.pool import EnginePool
+from config.schema import PRIORITIES, Config, DegradationConfig, TenantQuota
+from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, PromptInput, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
+from gateway.capacity import CapacityReport
+from gateway.disagg import Disaggregator, PrefillLeg
 from gateway.keys import RECORD, TENANT
 from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_request
 from gateway.placement import Need, Placement, Placer
 from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
 from gateway.record import RequestRecord
 from gateway.tracing import Spans, inject_traceparent
+from limits import capacity
 from limits.admission import AdmissionQueue
 from limits.degrade import DEGRADED_HEADER, ladder, shed
 from limits.interfaces import Clock
@@ -43,6 +48,9 @@ STREAM_LOSSY = frozenset({"logprobs", "top_logprobs", "tools", "functions"})
 #: Retry-After, s, when no engine serving the model is ready (engines restart with
 #: backoff starting at 1 s; a few seconds is the honest order of magnitude).
 NO_ENGINE_RETRY_S = 5
+#: Response header naming a split request's prefill engine (``x-sluice-engine``
+#: names the engine that streamed the answer).
+PREFILL_ENGINE_HEADER = "x-sluice-prefill-engine"
 
 
 def _request_timeout(request: web.Request) -> float | None:
@@ -57,6 +65,11 @@ def _request_timeout(request: web.Request) -> float | None:
         raise Rejected(Outcome.INVALID_REQUEST, "x-request-timeout must be a positive number "
                        "of seconds.", param="x-request-timeout")
     return value
+
+
+def _call_all(callbacks: list[Callable[[], None]]) -> None:
+    for callback in callbacks:
+        callback()
 
 
 def _cache_control(request: web.Request) -> tuple[bool, bool]:
@@ -94,12 +107,25 @@ class Director:
         self.queues = queues
         self.cache = cache
         self.clock = clock
-        self.placer = Placer(pool=pool, scheduler=scheduler, detector=detector, clock=clock)
+        self.slo = cfg.gateway.slo
+        self.adaptive = cfg.engines.saturation.adaptive
+        #: prefill–decode disaggregation, for models with prefill engines
+        self.split_models = frozenset(s.model for s in cfg.engines.engines if s.role == "prefill")
+        disagg = Disaggregator(cfg.engines.disaggregation, clock)
+        self.placer = Placer(pool=pool, scheduler=scheduler, detector=detector, clock=clock,
+                             disagg=disagg, split_models=self.split_models,
+                             slo=self.slo, adaptive=self.adaptive,
+                             retry_after=lambda m: self.queues[m].retry_after_s())
+        #: per model, the mix of finished requests (the capacity report)
+        self.mix = {m: capacity.MixTracker() for m in queues}
+        self.capacity = CapacityReport(pool=pool, placer=self.placer, mix=self.mix,
+                                       slo=self.slo, adaptive=self.adaptive)
         #: each served model's degradation ladder (model_settings builds a pydantic
         #: object per call, too costly per request)
         self._degradation: dict[str, DegradationConfig] = {
             m: cfg.engines.model_settings(m).degradation for m in queues}
         self.spans = spans or Spans(None)
+        self.prefill_leg = PrefillLeg(client, disagg.speed, self.spans)
         self.prompts = prompts or PromptBlocks(cfg.engines, pool)
         #: models whose every engine accepts vLLM's ``cache_salt``
         self._salted = {m for m in cfg.engines.model_names()
@@ -163,12 +189,13 @@ class Director:
     # ------------------------------------------------------------------ placement
 
     def _need(self, request: web.Request, req: InferenceRequest,
-              tenant: TenantQuota) -> Need:
+              tenant: TenantQuota, arrived: float) -> Need:
         sched = SchedRequest(model=req.model, tenant=tenant.name,
                              prompt_tokens=req.prompt_tokens, priority=tenant.priority,
                              blocks=req.blocks, block_size=self.prompts.block_size(req.model),
                              session_id=request.headers.get("x-session-id") or None)
-        return Need(sched, tenant.priority, self._kv_tokens(req))
+        return Need(sched, tenant.priority, self._kv_tokens(req), arrived=arrived,
+                    splittable=req.sequences == 1)
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
         return Rejected(Outcome.NO_ENGINE,
@@ -241,7 +268,8 @@ class Director:
             rec.reserved_output_tokens = size.output
             async with await self._reserve(tenant, size.total, rec) as reservation:
                 try:
-                    result = await self._admit_and_send(request, req, tenant, rec, timeout_s)
+                    result = await self._admit_and_send(request, req, tenant, rec, timeout_s,
+                                                        started)
                 finally:
                     await reservation.settle(rec.prompt_tokens + rec.completion_tokens)
             if creq is not None and result.answer is not None and not (
@@ -317,7 +345,7 @@ class Director:
 
     async def _admit_and_send(self, request: web.Request, req: InferenceRequest,
                               tenant: TenantQuota, rec: RequestRecord,
-                              timeout_s: float | None) -> ProxyResult:
+                              timeout_s: float | None, arrived: float) -> ProxyResult:
         ready = [e for e in self.pool.for_model(req.model) if e.routable]
         if not ready:
             raise self._no_engine(req)
@@ -331,10 +359,11 @@ class Director:
         max_wait = min(tenant.max_queue_wait_s or self.cfg.gateway.queue.default_max_wait_s,
                        timeout_s or math.inf)
         model = req.model
+        self.placer.band_demand(model).arrived(tenant.priority)
         self._degrade(req, tenant, rec, max_wait)
         if req.model != model:  # a fallback model: its own tokenizer and blocks
             await self._measure(req)
-        need = self._need(request, req, tenant)
+        need = self._need(request, req, tenant, arrived)
         queue = self.queues[req.model]
         ticket = queue.ticket(tenant, need.tokens, request_id=rec.request_id,
                               timeout_s=timeout_s)
@@ -347,11 +376,27 @@ class Director:
                                           Placement.release)
             finally:
                 rec.queue_s = self.clock.now() - waited_from
+        prefilled: Engine | None = None
+        if first.prefill is not None:
+            split_from = self.clock.now()
+            try:
+                req, prefilled = await self.prefill_leg.run(
+                    self.placer.prefill_attempts(first, need, self.cfg.gateway.retry_attempts),
+                    req, request, rec.request_id, first.uncached)
+            except asyncio.CancelledError:
+                rec.prompt_tokens = req.prompt_tokens  # the prefill engine computed it
+                first.release()
+                raise
+            except BaseException:
+                first.release()
+                raise
+            rec.prefill_s = self.clock.now() - split_from
         failed: UpstreamFailed | None = None
         for placement in self.placer.attempts(first, need, self.cfg.gateway.retry_attempts):
             async with placement:
                 try:
-                    result = await self._send(request, req, rec, placement)
+                    result = await self._send(request, req, rec, placement, prefilled,
+                                              tenant)
                 except UpstreamFailed as e:
                     if e.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
                         placement.engine.breaker.record(False)
@@ -368,8 +413,13 @@ class Director:
         raise self._final_error(req, failed)
 
     async def _send(self, request: web.Request, req: InferenceRequest, rec: RequestRecord,
-                    placement: Placement) -> ProxyResult:
-        """One upstream attempt on ``placement``'s engine; fills ``rec`` on success.
+                    placement: Placement, prefilled: Engine | None,
+                    tenant: TenantQuota) -> ProxyResult:
+        """One upstream attempt on ``placement``'s engine (the decode leg when
+        ``prefilled`` names the engine that ran the prefill leg); fills ``rec`` on
+        success, its TTFT counting both legs, and feeds the engine's latency ledger
+        (first token, usage, end; whole requests only). The band goes to the engine as
+        vLLM's ``priority`` (0 most urgent) only where it runs the priority scheduler.
 
         Raises:
             UpstreamFailed: as :meth:`EngineClient.send`.
@@ -384,13 +434,40 @@ class Director:
                    "x-sluice-cache": rec.cache}
         if rec.degraded:
             headers[DEGRADED_HEADER] = ", ".join(rec.degraded)
-        with self.spans("upstream", kind=SpanKind.CLIENT) as span:
-            span.set_attribute("sluice.engine", placement.engine.id)
+        if prefilled is not None:
+            headers[PREFILL_ENGINE_HEADER] = prefilled.id
+        engine, flight = placement.engine, placement.flight
+        ledger = engine.latency if flight is not None else None
+        if flight is not None:
+            headers["x-sluice-ttft-predicted-ms"] = f"{flight.predicted_ttft_s * 1000:.1f}"
+        # a whole request of a split model: its prompt is prefill queued on the engine
+        tracked = req.model in self.split_models and prefilled is None
+        with self.spans("upstream", kind=SpanKind.CLIENT) as span, \
+                self.placer.prefill_tracking(placement, tracked) as first_token:
+            span.set_attribute("sluice.engine", engine.id)
             upstream = {"x-request-id": rec.request_id}
             if self.spans.enabled:
                 inject_traceparent(upstream)
-            result = await self.client.send(placement.engine, req, request, headers, upstream)
-        rec.outcome, rec.ttft_s = result.outcome, result.ttft_s
+            callbacks = [f for f in (first_token, None if ledger is None else
+                                     functools.partial(ledger.first_token, flight))
+                         if f is not None]
+            result = await self.client.send(
+                engine, req, request, headers, upstream,
+                functools.partial(_call_all, callbacks) if callbacks else None,
+                priority=PRIORITIES.index(tenant.priority) if engine.priority_scheduling else None)
+        if ledger is not None:
+            rec.predicted_ttft_s = flight.predicted_ttft_s
+            ok = result.outcome is Outcome.OK
+            ledger.finished(flight, completion_tokens=result.completion_tokens,
+                            prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
+                            ok=ok and req.stream and prefilled is None)
+            if ok:
+                uncached = flight.uncached_tokens if result.cached_tokens is None \
+                    else max(0, result.prompt_tokens - result.cached_tokens)
+                self.mix[engine.model].observe(result.prompt_tokens, uncached,
+                                               result.completion_tokens)
+        rec.outcome = result.outcome
+        rec.ttft_s = None if result.ttft_s is None else (rec.prefill_s or 0.0) + result.ttft_s
         rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens
         rec.finish_reasons = result.finish_reasons
         return result

@@ -26,7 +26,7 @@ import email.utils
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ from engines.pool import Engine
 from gateway.errors import sse_error_event
 from gateway.openai_api import PATHS, InferenceRequest
 from gateway.sse import EventFramer, EventTooLarge, StreamSummary
+from limits.interfaces import Clock
 from limits.outcome import Outcome, Rejected
 
 log = logging.getLogger("sluice.proxy")
@@ -92,6 +93,8 @@ class ProxyResult:
         prompt_tokens / completion_tokens: from the engine's usage; for a stream cut
             short, the estimate and the content chunks streamed so far.
         ttft_s: seconds from sending to the first generated output, or None.
+        cached_tokens: ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens
+            the engine's prefix cache served), or None when it did not report it.
         answer: the complete answer as a non-streaming body (for the cache), or None
             if it did not finish normally.
     """
@@ -103,6 +106,13 @@ class ProxyResult:
     ttft_s: float | None
     answer: dict[str, Any] | None
     finish_reasons: list[str]
+    cached_tokens: int | None = None
+
+
+def _cached_tokens(usage: Mapping[str, Any] | None) -> int | None:
+    details = (usage or {}).get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 
 def _usage(usage: Mapping[str, Any] | None, prompt_est: int, streamed: int) -> tuple[int, int]:
@@ -188,34 +198,47 @@ def engine_error(engine_id: str, status: int, headers: Mapping[str, str],
 
 
 class EngineClient:
-    """Sends :class:`InferenceRequest` s to engines and relays the answers."""
+    """Sends :class:`InferenceRequest` s to engines and relays the answers.
+
+    Args:
+        session: the shared client session (not closed here).
+        timeouts: connect, first-token, idle and total limits, s.
+        max_event_bytes: longest stream event relayed, bytes.
+        clock: measures TTFT, s (the app's clock). The timeouts are the event loop's
+            timers (``asyncio.timeout``), so their deadlines are in ``loop.time()``.
+    """
 
     def __init__(self, session: aiohttp.ClientSession, timeouts: Timeouts,
-                 max_event_bytes: int) -> None:
+                 max_event_bytes: int, clock: Clock) -> None:
         self.session = session
+        self.clock = clock
         self.timeouts = timeouts
         self.max_event_bytes = max_event_bytes
         self._client_timeout = aiohttp.ClientTimeout(
             total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s
         )
 
-    def _upstream_body(self, req: InferenceRequest) -> bytes:
+    def _upstream_body(self, req: InferenceRequest, priority: int | None) -> bytes:
         body = req.body
+        if priority is not None or "priority" in body:  # the band decides, not the client
+            body = {k: v for k, v in body.items() if k != "priority"}
+            if priority is not None:
+                body["priority"] = priority
         if req.stream:
             opts = dict(body.get("stream_options") or {})
             opts["include_usage"] = True
             body = {**body, "stream_options": opts}
         return json.dumps(body, ensure_ascii=False).encode()
 
-    async def _open(self, engine: Engine, req: InferenceRequest,
-                    headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+    async def _open(self, engine: Engine, req: InferenceRequest, headers: Mapping[str, str],
+                    priority: int | None) -> aiohttp.ClientResponse:
         # llama-server drops the connection after a stream while announcing keep-alive:
         # a pooled connection would fail the next request (engines.kinds.llamacpp)
         close = req.stream and KINDS[engine.labels.get("dialect", "vllm")].close_after_stream
         try:
             resp = await self.session.post(
                 engine.base_url + PATHS[req.endpoint],
-                data=self._upstream_body(req),
+                data=self._upstream_body(req, priority),
                 headers={"Content-Type": "application/json",
                          **({"Connection": "close"} if close else {}), **headers},
                 timeout=self._client_timeout,
@@ -234,8 +257,13 @@ class EngineClient:
 
     async def send(self, engine: Engine, req: InferenceRequest, request: web.Request,
                    response_headers: Mapping[str, str],
-                   upstream_headers: Mapping[str, str] = {}) -> ProxyResult:
-        """Send ``req`` to ``engine`` and relay the answer to ``request``'s client.
+                   upstream_headers: Mapping[str, str] = {},
+                   on_first_token: Callable[[], None] | None = None,
+                   priority: int | None = None) -> ProxyResult:
+        """Send ``req`` to ``engine`` and relay the answer to ``request``'s client;
+        ``on_first_token`` is called when the first generated output arrives (for a
+        non-streaming answer: when the whole answer arrives). ``priority``: vLLM's
+        ``priority`` field to send (a client's own ``priority`` is never forwarded).
 
         Raises:
             UpstreamFailed: nothing was sent to the client yet (retry is safe).
@@ -243,11 +271,11 @@ class EngineClient:
             asyncio.CancelledError: the client went away; the upstream request is
                 closed first, which makes vLLM abort it.
         """
-        start = time.perf_counter()
+        start = self.clock.now()
         try:
             async with asyncio.timeout(self.timeouts.first_token_s if req.stream
                                        else self.timeouts.non_stream_s):
-                resp = await self._open(engine, req, upstream_headers)
+                resp = await self._open(engine, req, upstream_headers, priority)
                 if not req.stream:
                     raw = await resp.read()
         except TimeoutError:
@@ -258,9 +286,12 @@ class EngineClient:
             raise UpstreamFailed(Outcome.UPSTREAM_ERROR, f"engine {engine.id} failed: {e}",
                                  retryable=True) from None
         if not req.stream:
+            if on_first_token is not None:
+                on_first_token()
             return self._finish_json(req, raw, start, response_headers)
         try:
-            return await self._relay_stream(engine, req, resp, request, start, response_headers)
+            return await self._relay_stream(engine, req, resp, request, start, response_headers,
+                                            on_first_token)
         finally:
             resp.close()
 
@@ -277,13 +308,15 @@ class EngineClient:
             outcome=Outcome.OK,
             response=web.Response(body=raw, content_type="application/json", headers=headers),
             prompt_tokens=prompt, completion_tokens=completion,
-            ttft_s=time.perf_counter() - start, answer=answer,
+            ttft_s=self.clock.now() - start, answer=answer,
+            cached_tokens=_cached_tokens(answer.get("usage")),
             finish_reasons=[r for r in reasons if r],
         )
 
     async def _relay_stream(self, engine: Engine, req: InferenceRequest,
                             resp: aiohttp.ClientResponse, request: web.Request, start: float,
-                            headers: Mapping[str, str]) -> ProxyResult:
+                            headers: Mapping[str, str],
+                            on_first_token: Callable[[], None] | None) -> ProxyResult:
         t = self.timeouts
         loop = asyncio.get_running_loop()
         end_at = loop.time() + t.total_s if t.total_s else float("inf")
@@ -311,8 +344,10 @@ class EngineClient:
                             continue  # the usage-only chunk the client did not ask for
                         keep.append(ev)
                     if ttft is None and (summary.content_chunks or summary.finish_reasons):
-                        ttft = time.perf_counter() - start
+                        ttft = self.clock.now() - start
                         trace.get_current_span().add_event("first_token")
+                        if on_first_token is not None:
+                            on_first_token()
                     deadline.reschedule(min(
                         loop.time() + (t.first_token_s if ttft is None else t.idle_s), end_at))
                     if not prepared:
@@ -364,5 +399,6 @@ class EngineClient:
             outcome=outcome, response=out, prompt_tokens=prompt, completion_tokens=completion,
             ttft_s=ttft, answer=summary.to_response() if outcome is Outcome.OK else None,
             finish_reasons=list(summary.finish_reasons.values()),
+            cached_tokens=_cached_tokens(summary.usage),
         )
 

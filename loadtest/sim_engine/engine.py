@@ -8,9 +8,11 @@ with ``speed`` factors fit on a couple of cores.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
+from prometheus_client import Counter
+
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 from loadtest.sim_engine.kv_cache import KVCache
 from loadtest.sim_engine.metrics import sim_metrics
 from loadtest.sim_engine.profiles import Profile
@@ -24,12 +26,22 @@ class SimEngine:
         profile: geometry, limits and cost model (see ``profiles.py``).
         model_name: served model name (metric label).
         speed: simulated seconds per wall second (> 0); 2.0 runs twice as fast as
-            the modelled device, 0.5 half as fast.
+            the modelled device, 0.5 half as fast. :meth:`set_speed` changes it
+            while running (``POST /sim/speed``).
         clock: monotonic wall clock, s (injectable for tests).
+        scheduling_policy: ``fcfs`` or ``priority`` (vLLM ``--scheduling-policy``).
+        prompt_tokens_details: report ``usage.prompt_tokens_details.cached_tokens``
+            (vLLM ``--enable-prompt-tokens-details``).
+
+    Attributes:
+        priorities: ``sim:requests_by_priority_total{priority}``, a series vLLM does
+            not have: requests received per ``priority`` value (so tests can see what
+            the gateway sent).
     """
 
     def __init__(self, profile: Profile, model_name: str, speed: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Clock = MONOTONIC, *, scheduling_policy: str = "fcfs",
+                 prompt_tokens_details: bool = False) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
         capacity = (profile.num_blocks - 1) * profile.block_size
@@ -43,11 +55,20 @@ class SimEngine:
         self.speed = speed
         self.clock = clock
         self.kv = KVCache(profile.num_blocks, profile.block_size)
-        self.scheduler = Scheduler(profile, self.kv)
+        self.scheduler = Scheduler(profile, self.kv, scheduling_policy)
+        self.prompt_tokens_details = prompt_tokens_details
         self.metrics = sim_metrics(self.scheduler, model_name)
+        self.priorities = Counter("sim:requests_by_priority", "Requests received by priority.",
+                                  ["priority"], registry=self.metrics.registry)
         self._wake = asyncio.Event()
         self._thawed = asyncio.Event()  # cleared while frozen
         self._thawed.set()
+
+    def set_speed(self, speed: float) -> None:
+        """Run at ``speed`` (> 0) from the next step on."""
+        if not speed > 0:
+            raise ValueError("speed must be > 0")
+        self.speed = speed
 
     def freeze(self) -> None:
         """Stop stepping (fault injection): running requests get no more tokens and
@@ -61,7 +82,7 @@ class SimEngine:
 
     def submit(self, req: SimRequest) -> None:
         """Queue ``req`` (its ``arrival_s`` is set to now)."""
-        req.arrival_s = self.clock()
+        req.arrival_s = self.clock.now()
         self.scheduler.add(req)
         self._wake.set()
 
@@ -69,6 +90,10 @@ class SimEngine:
         """Drop ``req`` now: it stops counting as running/waiting, its blocks are
         freed (idempotent)."""
         self.scheduler.abort(req)
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Make the step loop look for work (blocks were freed from outside)."""
         self._wake.set()
 
     async def run(self) -> None:
@@ -83,7 +108,7 @@ class SimEngine:
             step_s = self.profile.step_seconds(plan.prefill_tokens, plan.decode_seqs,
                                                plan.kv_tokens)
             await asyncio.sleep(step_s / self.speed)
-            now = self.clock()
+            now = self.clock.now()
             for req in self.scheduler.commit(plan, now):
                 if req.last_itl_s is None:
                     self.metrics.ttft.observe((now - req.arrival_s) * self.speed)

@@ -95,14 +95,25 @@ def _text(content: Any) -> str:
                        param="messages")
 
 
-def _common(body: Any, served_model: str) -> tuple[int | None, int, bool, bool, str | None]:
+def _output_cap(body: dict[str, Any], chat: bool) -> Any:
+    """The output cap as vLLM 0.32 reads it: chat takes ``max_completion_tokens`` when
+    it is not null, else ``max_tokens`` (``ChatCompletionRequest.to_sampling_params``,
+    ``vllm/entrypoints/openai/chat_completion/protocol.py``); completions read
+    ``max_tokens`` only."""
+    if chat and body.get("max_completion_tokens") is not None:
+        return body["max_completion_tokens"]
+    return body.get("max_tokens")
+
+
+def _common(body: Any, served_model: str,
+            chat: bool) -> tuple[int | None, int, bool, bool, str | None]:
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     model = body.get("model")
     if model is not None and model != served_model:
         raise RequestError(f"The model `{model}` does not exist.", 404, "NotFoundError",
                            "model")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _output_cap(body, chat)
     if max_tokens is not None and (not isinstance(max_tokens, int)
                                    or isinstance(max_tokens, bool) or max_tokens < 1):
         raise RequestError(f"max_tokens must be at least 1, got {max_tokens}.",
@@ -132,7 +143,7 @@ def _common(body: Any, served_model: str) -> tuple[int | None, int, bool, bool, 
 
 def parse_chat(body: Any, served_model: str) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` body; raises :class:`RequestError`."""
-    max_tokens, n, stream, include_usage, salt = _common(body, served_model)
+    max_tokens, n, stream, include_usage, salt = _common(body, served_model, chat=True)
     messages = body.get("messages")
     if (not isinstance(messages, list) or not messages
             or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -146,7 +157,7 @@ def parse_chat(body: Any, served_model: str) -> ParsedRequest:
 def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     """Validate a ``/v1/completions`` body (prompt: a string, a one-string list or
     a list of token ids); raises :class:`RequestError`."""
-    max_tokens, n, stream, include_usage, salt = _common(body, served_model)
+    max_tokens, n, stream, include_usage, salt = _common(body, served_model, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -191,9 +202,12 @@ def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(prompt: int, completion: int) -> dict[str, Any]:
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
+    """OpenAI usage; ``prompt_tokens_details.cached_tokens`` only when ``cached`` is
+    given (vLLM fills it with ``--enable-prompt-tokens-details``, else null)."""
+    details = None if cached is None else {"cached_tokens": cached}
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-            "completion_tokens": completion, "prompt_tokens_details": None}
+            "completion_tokens": completion, "prompt_tokens_details": details}
 
 
 def dumps(obj: Any) -> bytes:
@@ -209,11 +223,15 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class ResponseShape:
-    """Builds one request's chunks and final body (``id`` and ``created`` fixed)."""
+    """Builds one request's chunks and final body (``id`` and ``created`` fixed).
+    ``request_id``: the client's ``X-Request-Id``, which vLLM makes the response id
+    (``chatcmpl-<id>`` / ``cmpl-<id>``); None draws a random one."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, request_id: str | None = None) -> None:
         self.chat, self.model = chat, model
-        self.id, self.created = new_id(chat), int(time.time())
+        self.id = new_id(chat) if request_id is None else \
+            f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.created = int(time.time())
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -236,12 +254,15 @@ class ResponseShape:
             choice["stop_reason"] = None
         return sse({**self._head(obj), "choices": [choice]})
 
-    def usage_chunk(self, prompt: int, completion: int) -> bytes:
+    def usage_chunk(self, prompt: int, completion: int, cached: int | None = None) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse({**self._head(obj), "choices": [], "usage": usage(prompt, completion)})
+        return sse({**self._head(obj), "choices": [],
+                    "usage": usage(prompt, completion, cached)})
 
-    def full(self, texts: list[str], prompt: int, completion: int) -> bytes:
-        """The non-streaming body: one choice per text in ``texts``."""
+    def full(self, texts: list[str], prompt: int, completion: int,
+             extra: dict[str, Any] | None = None, cached: int | None = None) -> bytes:
+        """The non-streaming body: one choice per text in ``texts``; ``extra`` adds
+        top-level fields (``kv_transfer_params``); ``cached`` as :func:`usage`."""
         choices: list[dict[str, Any]] = []
         for i, text in enumerate(texts):
             if self.chat:
@@ -253,4 +274,5 @@ class ResponseShape:
                 choices.append({"index": i, "text": text, "logprobs": None,
                                 "finish_reason": "length", "stop_reason": None})
         obj = "chat.completion" if self.chat else "text_completion"
-        return dumps({**self._head(obj), "choices": choices, "usage": usage(prompt, completion)})
+        return dumps({**self._head(obj), "choices": choices,
+                      "usage": usage(prompt, completion, cached), **(extra or {})})

@@ -1,10 +1,18 @@
 """HTTP front of the simulated engine: vLLM's OpenAI-compatible routes over aiohttp.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not),
-``GET /health``, ``GET /v1/models``, ``GET /metrics``. A client that disconnects
+``GET /health``, ``GET /v1/models``, ``GET /metrics``, and the simulator's own
+``GET``/``POST /sim/speed`` (read or change the speed factor at run time: body
+``{"speed": 0.5}``; 400 unless it is a positive number). A client that disconnects
 aborts its request at once (the app must be served with
 ``handler_cancellation=True``, as :func:`serve` does): it stops counting as running
 and its KV blocks are freed, as vLLM aborts requests whose connection closed.
+
+With a KV connector (:mod:`loadtest.sim_engine.disagg`) requests may carry
+``kv_transfer_params`` (prefill and decode legs of a disaggregated request), the
+non-streamed response carries ``kv_transfer_params`` (null when there are none, as
+vLLM's), and ``POST /sim/nixl/read`` serves other engines' reads. ``X-Request-Id``
+becomes the response id, as in vLLM.
 """
 
 from __future__ import annotations
@@ -19,6 +27,14 @@ from aiohttp import web
 
 from engines.blocks import chain_block_hashes, fallback_tokenize
 from loadtest.sim_engine.dialects import DIALECTS, Dialect
+from loadtest.sim_engine.disagg import (
+    CONNECTOR,
+    READ_PATH,
+    KVLoadFailed,
+    SimConnector,
+    engine_request_id,
+    handle_read,
+)
 from loadtest.sim_engine.engine import SimEngine
 from loadtest.sim_engine.protocol import (
     SSE_DONE,
@@ -43,14 +59,18 @@ INLINE_PROMPT_LIMIT = 16_384
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
-def create_app(engine: SimEngine, dialect: str = "vllm") -> web.Application:
-    """The aiohttp app serving ``engine`` in ``dialect``
-    (:data:`~loadtest.sim_engine.dialects.DIALECTS`: which routes exist, the metrics
-    page, the error form); its step loop runs in ``cleanup_ctx``."""
+def create_app(engine: SimEngine, connector: SimConnector | None = None,
+               dialect: str = "vllm") -> web.Application:
+    """The aiohttp app serving ``engine`` (and ``connector``'s read channel, if any) in
+    ``dialect`` (:data:`~loadtest.sim_engine.dialects.DIALECTS`: which routes exist, the
+    metrics page, the error form); its step loop runs in ``cleanup_ctx``."""
     d = DIALECTS[dialect]
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[DIALECT] = d
+    if connector is not None:
+        app[CONNECTOR] = connector
+        app.router.add_post(READ_PATH, handle_read)
     app.router.add_post("/v1/chat/completions", _chat)
     if d.completions:
         app.router.add_post("/v1/completions", _completions)
@@ -59,14 +79,19 @@ def create_app(engine: SimEngine, dialect: str = "vllm") -> web.Application:
     app.router.add_get("/v1/models", _models)
     if d.metrics_path:
         app.router.add_get(d.metrics_path, _metrics)
+    app.router.add_get("/sim/speed", _speed)
+    app.router.add_post("/sim/speed", _speed)
     app.cleanup_ctx.append(_engine_loop)
     return app
 
 
-async def serve(engine: SimEngine, host: str, port: int, dialect: str = "vllm") -> web.AppRunner:
+async def serve(engine: SimEngine, host: str, port: int,
+                connector: SimConnector | None = None, dialect: str = "vllm") -> web.AppRunner:
     """Start serving ``engine`` on ``host:port`` in ``dialect``; returns the runner
-    (``cleanup()`` to stop)."""
-    runner = web.AppRunner(create_app(engine, dialect), handler_cancellation=True,
+    (``cleanup()`` to stop). ``connector`` advertises ``host:port`` as its read channel."""
+    if connector is not None:
+        connector.host, connector.port = host, port
+    runner = web.AppRunner(create_app(engine, connector, dialect), handler_cancellation=True,
                            access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -79,6 +104,8 @@ async def _engine_loop(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    if CONNECTOR in app:
+        await app[CONNECTOR].close()
 
 
 def _error(exc: RequestError, dialect: Dialect) -> web.Response:
@@ -116,30 +143,69 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         else:
             n_prompt, hashes = _tokens_and_hashes(parsed, engine.profile.block_size)
         max_tokens = check_length(n_prompt, parsed.max_tokens, engine.profile.max_model_len)
+        params = body.get("kv_transfer_params")
+        if params is not None and not isinstance(params, dict):
+            raise RequestError("kv_transfer_params must be an object",
+                               param="kv_transfer_params")
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestError("priority must be an integer", param="priority")
+        if priority != 0 and engine.scheduler.policy != "priority":
+            # vllm/v1/engine/processor.py (process_inputs)
+            raise RequestError(f"Got priority {priority} but Priority scheduling is "
+                               "not enabled.", param="priority")
     except RequestError as exc:
         return _error(exc, request.app[DIALECT])
-    shape = ResponseShape(chat, engine.model_name)
+    connector = request.app.get(CONNECTOR)
+    shape = ResponseShape(chat, engine.model_name, request.headers.get("X-Request-Id"))
     wake = asyncio.Event()
-    reqs = [SimRequest(shape.id if parsed.n == 1 else f"{shape.id}-{i}", n_prompt, hashes,
-                       max_tokens, notify=wake.set) for i in range(parsed.n)]
+    reqs = [SimRequest(engine_request_id(shape.id if parsed.n == 1 else f"{shape.id}-{i}"),
+                       n_prompt, hashes, max_tokens, priority=priority, notify=wake.set)
+            for i in range(parsed.n)]
+    engine.priorities.labels(str(priority)).inc()
+    arrival = engine.clock.now()
+    # the connector's legs are single-sequence requests (vLLM's proxy sends n = 1)
+    legs = connector if connector is not None and parsed.n == 1 else None
+    if legs is not None and legs.remote_prefill(params):
+        local = len(engine.kv.longest_prefix(hashes, n_prompt))
+        try:
+            reqs[0].external_tokens = await legs.load(params, n_prompt, local)
+        except KVLoadFailed as exc:
+            return _error(RequestError(str(exc), 500, "InternalServerError"),
+                          request.app[DIALECT])
+    reqs[0].keep_blocks = legs is not None and legs.remote_decode(params)
     for req in reqs:
         engine.submit(req)
+        req.arrival_s = arrival  # TTFT counts the transfer, as vLLM's does
     try:
         if parsed.stream:
-            return await _stream(request, reqs, wake, shape, parsed.include_usage)
+            return await _stream(request, reqs, wake, shape, parsed.include_usage,
+                                 engine.prompt_tokens_details)
         while not all(req.done for req in reqs):
             await wake.wait()
             wake.clear()
+        extra = None if connector is None else {
+            "kv_transfer_params": None if legs is None else legs.hold(reqs[0])}
         return web.Response(body=shape.full([output_text(0, r.num_output_tokens) for r in reqs],
-                                            n_prompt, sum(r.num_output_tokens for r in reqs)),
+                                            n_prompt, sum(r.num_output_tokens for r in reqs),
+                                            extra, _cached(engine, reqs[0])),
                             content_type="application/json")
     finally:
         for req in reqs:
             engine.abort(req)  # no-op once finished; frees blocks on disconnect/cancel
+        if legs is not None and reqs[0].keep_blocks:
+            legs.hold(reqs[0])  # a finished prefill's blocks wait for their read
+
+
+def _cached(engine: SimEngine, req: SimRequest) -> int | None:
+    """Cached prompt tokens for the usage (None unless the engine reports prompt
+    token details)."""
+    return req.num_cached_tokens if engine.prompt_tokens_details else None
 
 
 async def _stream(request: web.Request, reqs: list[SimRequest], wake: asyncio.Event,
-                  shape: ResponseShape, include_usage: bool) -> web.StreamResponse:
+                  shape: ResponseShape, include_usage: bool,
+                  details: bool) -> web.StreamResponse:
     """Stream the ``n`` sequences of one request, each as choice ``index`` i."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache"})
@@ -164,11 +230,26 @@ async def _stream(request: web.Request, reqs: list[SimRequest], wake: asyncio.Ev
         if all(req.done for req in reqs):
             break
     if all(req.status is Status.FINISHED for req in reqs):
-        tail = (shape.usage_chunk(reqs[0].num_prompt_tokens, sum(sent)) if include_usage
-                else b"")
+        cached = reqs[0].num_cached_tokens if details else None
+        tail = (shape.usage_chunk(reqs[0].num_prompt_tokens, sum(sent), cached)
+                if include_usage else b"")
         await resp.write(tail + SSE_DONE)
     await resp.write_eof()
     return resp
+
+
+async def _speed(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if request.method == "POST":
+        try:
+            speed = (await request.json()).get("speed")
+        except (ValueError, AttributeError):
+            speed = None
+        if isinstance(speed, bool) or not isinstance(speed, int | float) or not speed > 0:
+            return _error(RequestError("speed must be a positive number", param="speed"),
+                          request.app[DIALECT])
+        engine.set_speed(float(speed))
+    return web.json_response({"speed": engine.speed})
 
 
 async def _health(request: web.Request) -> web.Response:

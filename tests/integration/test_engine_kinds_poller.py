@@ -27,7 +27,7 @@ async def sim_at():
     async def start(dialect: str) -> str:
         port = free_port()
         engine = SimEngine(get_profile("cpu-gemma3-270m"), MODEL, speed=20.0)
-        runners.append(await serve(engine, "127.0.0.1", port, dialect))
+        runners.append(await serve(engine, "127.0.0.1", port, dialect=dialect))
         return f"http://127.0.0.1:{port}"
 
     yield start
