@@ -15,6 +15,7 @@ from engines.metrics import MetricsPoller
 from engines.pool import Engine, EnginePool
 from loadtest.sim_engine import SimEngine, get_profile, serve
 from tests.conftest import free_port
+from tests.support import ManualClock
 
 MODEL = "sim-test"
 
@@ -39,7 +40,7 @@ async def _poll_once(url: str, dialect: str) -> tuple[Engine, object]:
     engine = Engine(id="e", model=MODEL, base_url=url)
     async with aiohttp.ClientSession() as session:
         poller = MetricsPoller(EnginePool([engine]), engine, session, interval_s=1,
-                               timeout_s=2, clock=lambda: 5.0, kind=KINDS[dialect])
+                               timeout_s=2, clock=ManualClock(5.0), kind=KINDS[dialect])
         snap = await poller.scrape_once()
     return engine, snap
 
