@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from engines.kv_events import EventsEndpoint
+
 
 class EngineState(enum.Enum):
     """Life cycle: starting → ready ⇄ unhealthy → restarting → starting …;
@@ -72,6 +74,7 @@ class Engine:
         upstream_failures: requests in a row that timed out before their first token
             or could not connect (the gateway resets it on a success); at the
             supervisor's ``failure_threshold`` the engine's probes count as failed.
+        kv_events: where the engine publishes KV-cache events, if it does.
     """
 
     id: str
@@ -85,6 +88,7 @@ class Engine:
     restarts: int = 0
     upstream_failures: int = 0
     labels: dict[str, str] = field(default_factory=dict)
+    kv_events: EventsEndpoint | None = None
 
     @property
     def routable(self) -> bool:

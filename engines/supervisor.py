@@ -8,6 +8,7 @@ The gateway creates it in ``cleanup_ctx`` with the shared ``ClientSession``, cal
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import tempfile
@@ -18,6 +19,7 @@ from pathlib import Path
 import aiohttp
 
 from config.schema import EnginesConfig, EngineSpec
+from engines.kv_events import EventsEndpoint
 from engines.metrics import MetricsPoller
 from engines.pool import Engine, EnginePool, EngineState
 from engines.process import DEFAULT_COMMANDS, CommandBuilder, choose_port
@@ -36,6 +38,25 @@ def engine_ids(spec: EngineSpec) -> list[str]:
 def _external_base_url(url: str) -> str:
     base = url.rstrip("/")
     return base.removesuffix("/v1")
+
+
+def kv_events_flag(engine_id: str, host: str, taken: set[int]) -> tuple[EventsEndpoint, list[str]]:
+    """vLLM's ``--kv-events-config`` for a launched engine on ``host``: a PUB and a
+    replay port, free and not in ``taken`` (both added to it), topic ``kv@<id>``.
+    The PUB endpoint is ``tcp://*:port`` because vLLM binds only wildcard TCP
+    endpoints (``ZmqEventPublisher._is_bind_endpoint``) and connects to the rest.
+    Returns the endpoint the gateway subscribes to and the flag's two arguments."""
+    pub = choose_port(host, None, taken)
+    taken.add(pub)
+    replay = choose_port(host, None, taken)
+    taken.add(replay)
+    at = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    topic = f"kv@{engine_id}"
+    flag = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                       "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://{at}:{replay}",
+                       "topic": topic})
+    endpoint = EventsEndpoint(f"tcp://{at}:{pub}", f"tcp://{at}:{replay}", topic)
+    return endpoint, ["--kv-events-config", flag]
 
 
 async def wait_for(pool: EnginePool, predicate: Callable[[], bool], timeout_s: float) -> bool:
@@ -117,6 +138,7 @@ class Supervisor:
             os.environ.get("SLUICE_RUN_DIR") or tempfile.mkdtemp(prefix="sluice-run-")
         )
         sup = self.cfg.supervisor
+        events = self.cfg.scheduler.prefix.source == "events"
         taken: set[int] = {s.port for s in self.cfg.engines if s.port is not None}
         for spec in self.cfg.engines:
             command = None if spec.kind == "external" else self.commands[spec.kind]
@@ -129,11 +151,17 @@ class Supervisor:
                     base_url = f"http://{spec.host}:{port}"
                 engine = Engine(id=engine_id, model=spec.model, base_url=base_url,
                                 labels={"spec": spec.name, "kind": spec.kind})
+                extra: list[str] = []
+                if events and command is not None:
+                    engine.kv_events, extra = kv_events_flag(engine_id, spec.host, taken)
+                elif events and spec.kv_events is not None:
+                    ev = spec.kv_events
+                    engine.kv_events = EventsEndpoint(ev.endpoint, ev.replay_endpoint, ev.topic)
                 self.pool.add(engine)
                 self.runners.append(EngineRunner(
                     engine, spec, port, sup, self.pool, self.session, command=command,
                     log_path=run_dir / f"{engine_id}.log",
-                    model_cache_dir=self.model_cache_dir, clock=self.clock,
+                    model_cache_dir=self.model_cache_dir, clock=self.clock, extra_args=extra,
                 ))
         for runner in self.runners:
             poller = MetricsPoller(

@@ -21,7 +21,9 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from cache.service import open_cache
 from config.schema import Config
+from engines.kv_events import KVEventSubscribers
 from engines.pool import EnginePool
+from engines.prefix_events import EventPrefixIndex
 from engines.scheduler import Scheduler
 from engines.supervisor import Supervisor
 from gateway.access_log import log_access
@@ -163,6 +165,16 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
                 await cache.close()
             await store.close()
 
+    async def kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
+        # every gateway process follows the engines' KV events into its own index
+        index = app[DIRECTOR].scheduler.index
+        subscribers = KVEventSubscribers(index) if isinstance(index, EventPrefixIndex) else None
+        if subscribers is not None:
+            subscribers.follow(app[POOL].engines)
+        yield
+        if subscribers is not None:
+            await subscribers.stop()
+
     async def reload_ctx(app: web.Application) -> AsyncIterator[None]:
         path = cfg.paths.get("tenants")
         app[RELOADER] = TenantReloader(Path(path), app[TENANTS], metrics.on_reload) \
@@ -191,6 +203,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
 
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(pipeline_ctx)
+    app.cleanup_ctx.append(kv_events_ctx)
     app.cleanup_ctx.append(reload_ctx)
     app.cleanup_ctx.append(tracing_ctx)
     if obs.metrics_listen:

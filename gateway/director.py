@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from opentelemetry.trace import SpanKind
@@ -44,13 +44,21 @@ STREAM_LOSSY = frozenset({"logprobs", "top_logprobs", "tools", "functions"})
 NO_ENGINE_RETRY_S = 5
 
 
+#: Response header: prompt tokens the prefix index predicted cached on the chosen
+#: engine, per index (``events=N, approximate=M``); the replay benchmark compares it
+#: with the engine's ``usage.prompt_tokens_details.cached_tokens``.
+PREFIX_TOKENS_HEADER = "x-sluice-prefix-tokens"
+
+
 @dataclass
 class Placement:
-    """An engine lease taken for one request: ``blocks`` promised KV blocks."""
+    """An engine lease taken for one request: ``blocks`` promised KV blocks;
+    ``prefix_tokens`` as :attr:`engines.scheduler.Decision.prefix_tokens`."""
 
     engine: Engine
     blocks: int
     scores: dict[str, float]
+    prefix_tokens: dict[str, int] = field(default_factory=dict)
 
 
 def _request_timeout(request: web.Request) -> float | None:
@@ -175,7 +183,7 @@ class Director:
         blocks = kv_blocks(self._tokens(req), decision.engine.block_size)
         self.pool.acquire(decision.engine, blocks)
         self.scheduler.record(sreq, decision.engine, now)
-        return Placement(decision.engine, blocks, decision.scores)
+        return Placement(decision.engine, blocks, decision.scores, decision.prefix_tokens)
 
     def _release(self, placement: Placement) -> None:
         self.pool.release(placement.engine, placement.blocks)
@@ -360,6 +368,9 @@ class Director:
                        "x-sluice-queue-ms": f"{rec.queue_s * 1000:.1f}", "x-sluice-cache": rec.cache}
             if rec.degraded:
                 headers[DEGRADED_HEADER] = ", ".join(rec.degraded)
+            if placement.prefix_tokens:
+                headers[PREFIX_TOKENS_HEADER] = ", ".join(
+                    f"{k}={v}" for k, v in placement.prefix_tokens.items())
             try:
                 with self.spans("upstream", kind=SpanKind.CLIENT) as span:
                     span.set_attribute("sluice.engine", placement.engine.id)

@@ -10,6 +10,7 @@ import signal
 import sys
 
 from loadtest.sim_engine.engine import SimEngine
+from loadtest.sim_engine.kv_events import KVEventsConfig, SimEventPublisher
 from loadtest.sim_engine.profiles import PROFILES, get_profile
 from loadtest.sim_engine.server import serve
 
@@ -28,6 +29,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--kv-events-config", type=KVEventsConfig.from_json,
+                   help="vLLM's KV-event publisher config (JSON)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens")
     return p.parse_args(argv)
 
 
@@ -36,7 +41,10 @@ async def _serve_forever(args: argparse.Namespace) -> None:
         num_blocks=args.num_blocks, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len)
-    engine = SimEngine(profile, args.model, speed=args.speed)
+    events = args.kv_events_config
+    publisher = SimEventPublisher(events) if events is not None and events.enabled else None
+    engine = SimEngine(profile, args.model, speed=args.speed, publisher=publisher,
+                       prompt_tokens_details=args.enable_prompt_tokens_details)
     runner = await serve(engine, args.host, args.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

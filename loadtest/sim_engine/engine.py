@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from loadtest.sim_engine.kv_cache import KVCache
+from loadtest.sim_engine.kv_events import SimEventPublisher
 from loadtest.sim_engine.metrics import SimMetrics
 from loadtest.sim_engine.profiles import Profile
 from loadtest.sim_engine.scheduler import Scheduler, SimRequest
@@ -26,10 +27,16 @@ class SimEngine:
         speed: simulated seconds per wall second (> 0); 2.0 runs twice as fast as
             the modelled device, 0.5 half as fast.
         clock: monotonic wall clock, s (injectable for tests).
+        publisher: publishes the KV cache's events after every step (vLLM's
+            ``--kv-events-config``); None: no events.
+        prompt_tokens_details: report ``usage.prompt_tokens_details.cached_tokens``
+            (vLLM's ``--enable-prompt-tokens-details``).
     """
 
     def __init__(self, profile: Profile, model_name: str, speed: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 publisher: SimEventPublisher | None = None,
+                 prompt_tokens_details: bool = False) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
         capacity = (profile.num_blocks - 1) * profile.block_size
@@ -42,7 +49,9 @@ class SimEngine:
         self.model_name = model_name
         self.speed = speed
         self.clock = clock
-        self.kv = KVCache(profile.num_blocks, profile.block_size)
+        self.publisher = publisher
+        self.prompt_tokens_details = prompt_tokens_details
+        self.kv = KVCache(profile.num_blocks, profile.block_size, events=publisher is not None)
         self.scheduler = Scheduler(profile, self.kv)
         self.metrics = SimMetrics(self.scheduler, model_name)
         self._wake = asyncio.Event()
@@ -76,3 +85,7 @@ class SimEngine:
                     self.metrics.ttft.observe((now - req.arrival_s) * self.speed)
                 else:
                     self.metrics.itl.observe(req.last_itl_s * self.speed)
+            if self.publisher is not None:
+                events = self.kv.take_events()
+                if events:
+                    self.publisher.publish(events)

@@ -182,9 +182,12 @@ def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(prompt: int, completion: int) -> dict[str, Any]:
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
+    """vLLM's ``UsageInfo``; ``cached`` (prompt tokens served from the prefix cache)
+    fills ``prompt_tokens_details`` as ``--enable-prompt-tokens-details`` does."""
+    details = None if cached is None else {"cached_tokens": cached}
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-            "completion_tokens": completion, "prompt_tokens_details": None}
+            "completion_tokens": completion, "prompt_tokens_details": details}
 
 
 def dumps(obj: Any) -> bytes:
@@ -227,11 +230,12 @@ class ResponseShape:
             choice["stop_reason"] = None
         return sse({**self._head(obj), "choices": [choice]})
 
-    def usage_chunk(self, prompt: int, completion: int) -> bytes:
+    def usage_chunk(self, prompt: int, completion: int, cached: int | None = None) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse({**self._head(obj), "choices": [], "usage": usage(prompt, completion)})
+        return sse({**self._head(obj), "choices": [],
+                    "usage": usage(prompt, completion, cached)})
 
-    def full(self, text: str, prompt: int, completion: int) -> bytes:
+    def full(self, text: str, prompt: int, completion: int, cached: int | None = None) -> bytes:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text,
                                               "tool_calls": []},
@@ -242,4 +246,4 @@ class ResponseShape:
                       "stop_reason": None}
             obj = "text_completion"
         return dumps({**self._head(obj), "choices": [choice],
-                      "usage": usage(prompt, completion)})
+                      "usage": usage(prompt, completion, cached)})

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -65,11 +65,17 @@ async def serve(engine: SimEngine, host: str, port: int) -> web.AppRunner:
 
 
 async def _engine_loop(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(app[ENGINE].run())
+    engine = app[ENGINE]
+    tasks = [asyncio.create_task(engine.run())]
+    if engine.publisher is not None:
+        tasks.append(asyncio.create_task(engine.publisher.serve_replay()))
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    if engine.publisher is not None:
+        engine.publisher.close()
 
 
 def _error(exc: RequestError) -> web.Response:
@@ -77,10 +83,10 @@ def _error(exc: RequestError) -> web.Response:
                         content_type="application/json")
 
 
-def _tokens_and_hashes(parsed: ParsedRequest, block_size: int) -> tuple[int, list[int]]:
+def _tokens_and_hashes(parsed: ParsedRequest, block_size: int) -> tuple[list[int], list[int]]:
     tokens = (parsed.prompt_token_ids if parsed.prompt_token_ids is not None
               else fallback_tokenize(parsed.prompt_text or ""))
-    return len(tokens), chain_block_hashes(tokens, block_size, parsed.cache_salt)
+    return tokens, chain_block_hashes(tokens, block_size, parsed.cache_salt)
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
@@ -101,32 +107,37 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         parsed = (parse_chat if chat else parse_completion)(body, engine.model_name)
         size = len(parsed.prompt_token_ids or parsed.prompt_text or "")
         if size > INLINE_PROMPT_LIMIT:
-            n_prompt, hashes = await asyncio.to_thread(
+            tokens, hashes = await asyncio.to_thread(
                 _tokens_and_hashes, parsed, engine.profile.block_size)
         else:
-            n_prompt, hashes = _tokens_and_hashes(parsed, engine.profile.block_size)
+            tokens, hashes = _tokens_and_hashes(parsed, engine.profile.block_size)
+        n_prompt = len(tokens)
         max_tokens = check_length(n_prompt, parsed.max_tokens, engine.profile.max_model_len)
     except RequestError as exc:
         return _error(exc)
     shape = ResponseShape(chat, engine.model_name)
     wake = asyncio.Event()
-    req = SimRequest(shape.id, n_prompt, hashes, max_tokens, notify=wake.set)
+    req = SimRequest(shape.id, n_prompt, hashes, max_tokens, notify=wake.set,
+                     token_ids=tokens if engine.publisher is not None else [],
+                     cache_salt=parsed.cache_salt)
+    cached = (lambda: req.num_cached_tokens) if engine.prompt_tokens_details else (lambda: None)
     engine.submit(req)
     try:
         if parsed.stream:
-            return await _stream(request, req, wake, shape, parsed.include_usage)
+            return await _stream(request, req, wake, shape, parsed.include_usage, cached)
         while not req.done:
             await wake.wait()
             wake.clear()
         return web.Response(body=shape.full(output_text(0, req.num_output_tokens),
-                                            n_prompt, req.num_output_tokens),
+                                            n_prompt, req.num_output_tokens, cached()),
                             content_type="application/json")
     finally:
         engine.abort(req)  # no-op once finished; frees blocks on disconnect/cancel
 
 
 async def _stream(request: web.Request, req: SimRequest, wake: asyncio.Event,
-                  shape: ResponseShape, include_usage: bool) -> web.StreamResponse:
+                  shape: ResponseShape, include_usage: bool,
+                  cached: Callable[[], int | None]) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
@@ -146,7 +157,8 @@ async def _stream(request: web.Request, req: SimRequest, wake: asyncio.Event,
         if req.done:
             break
     if req.status is Status.FINISHED:
-        tail = shape.usage_chunk(req.num_prompt_tokens, sent) if include_usage else b""
+        tail = (shape.usage_chunk(req.num_prompt_tokens, sent, cached()) if include_usage
+                else b"")
         await resp.write(tail + SSE_DONE)
     await resp.write_eof()
     return resp
