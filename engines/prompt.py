@@ -42,6 +42,7 @@ from engines.blocks import chain_block_hashes, fallback_tokenize
 from engines.interfaces import PromptEncoder
 from engines.pool import EnginePool
 from engines.prepare import MODEL_DIRNAME, PACKAGED_GEMMA, default_cache_dir, is_prepared
+from engines.token_cache import TurnTokenCache, turn_markers
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,16 @@ class FallbackEncoder:
         return fallback_tokenize(text)
 
 
+#: The chat :meth:`HFEncoder` checks turn-by-turn tokenization on: every role, runs of
+#: spaces and newlines at the turn edges, non-ASCII text.
+_SAMPLE_CHAT = [
+    {"role": "system", "content": "  Be brief.\n"},
+    {"role": "user", "content": "Hello  there,\n\nwhat's 2+2? ¿Qué tal? 日本語 "},
+    {"role": "assistant", "content": " 4.\n"},
+    {"role": "user", "content": "\tand 3+3?  "},
+]
+
+
 class HFEncoder:
     """A model folder's chat template and ``tokenizer.json``.
 
@@ -103,7 +114,10 @@ class HFEncoder:
     endpoint does. Completions: the prompt encoded with special tokens (BOS).
 
     The tokenizer loads on first use (~2 s for Gemma 3's 262k vocabulary);
-    ``offload`` is True so callers run it in a worker thread.
+    ``offload`` is True so callers run it in a worker thread. Chats are tokenized
+    turn by turn through a :class:`~engines.token_cache.TurnTokenCache` (earlier
+    turns of a conversation are not tokenized again) when the template has turn
+    markers and the tokenizer passes :meth:`~engines.token_cache.TurnTokenCache.verify`.
 
     Args:
         folder: the model folder (``tokenizer.json`` required).
@@ -117,6 +131,7 @@ class HFEncoder:
         self._template: Any = None
         self._special: dict[str, str] = {}
         self._lock = threading.Lock()
+        self.turns: TurnTokenCache | None = None
 
     def _load(self) -> None:
         with self._lock:  # worker threads may race on the first request
@@ -149,7 +164,16 @@ class HFEncoder:
 
             env.globals["raise_exception"] = raise_exception
             self._template = env.from_string(source)
-        self._tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        markers = turn_markers(source or "", (t.content for t in
+                                              tokenizer.get_added_tokens_decoder().values()))
+        if markers is not None and self._template is not None:
+            cache = TurnTokenCache(markers,
+                                   lambda text: tokenizer.encode(text, add_special_tokens=False).ids)
+            sample = self._template.render(messages=_SAMPLE_CHAT, add_generation_prompt=True,
+                                           **self._special)
+            self.turns = cache if cache.verify(sample) else None
+        self._tokenizer = tokenizer
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The chat as text; :func:`render_fallback_chat` if the model has no template."""
@@ -161,6 +185,8 @@ class HFEncoder:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         text = self.render_chat(messages)
+        if self.turns is not None:
+            return self.turns.encode(text)
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_text(self, text: str) -> list[int]:
