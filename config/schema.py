@@ -223,7 +223,9 @@ class EngineSpec(_Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     model: str = Field(..., description="served model name clients ask for")
     kind: Literal["vllm", "sim", "external"] = "vllm"
-    model_path: str | None = Field(None, description="path or 'packaged:gemma3-270m'")
+    model_path: str | None = Field(
+        None, description="path or 'packaged:gemma3-270m'; for external engines, optional: "
+        "the local model folder whose tokenizer the gateway hashes prompts with")
     url: str | None = None
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=1, le=65535)
@@ -301,6 +303,9 @@ class PrefixConfig(_Strict):
     source: Literal["events", "approximate"] = Field(
         "approximate", description="events: the engines' KV-cache events (precise); "
         "approximate: the gateway's routing history")
+    turn_cache_tokens: int = Field(
+        4_000_000, ge=0, description="token ids of chat turns kept so a conversation's "
+        "earlier turns are not tokenized again (engines.token_cache); 0: off")
     predicted_ttl_s: float = Field(
         10.0, gt=0, description="with events: a routed request's blocks count as held on "
         "its engine this long before the engine reports them, s")

@@ -42,7 +42,7 @@ from engines.blocks import chain_block_hashes, fallback_tokenize
 from engines.interfaces import PromptEncoder
 from engines.pool import EnginePool
 from engines.prepare import MODEL_DIRNAME, PACKAGED_GEMMA, default_cache_dir, is_prepared
-from engines.token_cache import TurnTokenCache, turn_markers
+from engines.token_cache import DEFAULT_MAX_TOKENS, TurnTokenCache, turn_markers
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +121,14 @@ class HFEncoder:
 
     Args:
         folder: the model folder (``tokenizer.json`` required).
+        turn_cache_tokens: bound of the turn cache, token ids (0: no cache).
     """
 
     offload = True
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, turn_cache_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         self.folder = folder
+        self.turn_cache_tokens = turn_cache_tokens
         self._tokenizer: Any = None
         self._template: Any = None
         self._special: dict[str, str] = {}
@@ -167,9 +169,10 @@ class HFEncoder:
         tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
         markers = turn_markers(source or "", (t.content for t in
                                               tokenizer.get_added_tokens_decoder().values()))
-        if markers is not None and self._template is not None:
+        if markers is not None and self._template is not None and self.turn_cache_tokens:
             cache = TurnTokenCache(markers,
-                                   lambda text: tokenizer.encode(text, add_special_tokens=False).ids)
+                                   lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+                                   self.turn_cache_tokens)
             sample = self._template.render(messages=_SAMPLE_CHAT, add_generation_prompt=True,
                                            **self._special)
             self.turns = cache if cache.verify(sample) else None
@@ -207,16 +210,19 @@ def local_model_folder(spec: EngineSpec, cache_dir: Path | None = None) -> Path 
     return folder if (folder / "tokenizer.json").is_file() else None
 
 
-def encoder_for(spec: EngineSpec, cache_dir: Path | None = None) -> PromptEncoder:
+def encoder_for(spec: EngineSpec, cache_dir: Path | None = None,
+                turn_cache_tokens: int = DEFAULT_MAX_TOKENS) -> PromptEncoder:
     """The encoder that reproduces ``spec``'s tokens: the simulator's for
-    ``kind: sim``; the model's own tokenizer for ``kind: vllm`` when it is on local
-    disk; the fallback otherwise."""
+    ``kind: sim``; the model's own tokenizer for ``kind: vllm`` — and for
+    ``external`` engines whose ``model_path`` names a local model folder — when it
+    is on local disk (its chat turns cached up to ``turn_cache_tokens`` ids; 0: no
+    cache); the fallback otherwise."""
     if spec.kind == "sim":
         return FallbackEncoder()
-    folder = local_model_folder(spec, cache_dir) if spec.kind == "vllm" else None
+    folder = local_model_folder(spec, cache_dir)
     if folder is None:
         return FallbackEncoder()
-    return HFEncoder(folder)
+    return HFEncoder(folder, turn_cache_tokens)
 
 
 @dataclass(frozen=True)
@@ -271,7 +277,8 @@ class PromptBlocks:
         self._encoders: dict[str, PromptEncoder] = {}
         for spec in cfg.engines:
             if spec.model not in self._encoders:
-                self._encoders[spec.model] = encoder_for(spec, cache_dir)
+                self._encoders[spec.model] = encoder_for(
+                    spec, cache_dir, cfg.scheduler.prefix.turn_cache_tokens)
         self._encoders.update(encoders or {})
         self._fallback = FallbackEncoder()
 
