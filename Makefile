@@ -1,5 +1,7 @@
 # Sluice: `make run` serves the OpenAI API on 127.0.0.1:8000 backed by a real vLLM
 # engine on the packaged Gemma 3 270M; `make test` runs the whole test suite.
+# `make test SKIP_BROWSER=1` neither installs Debian's chromium (apt-get, as root) nor
+# runs the dashboard's browser test.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -17,6 +19,9 @@ endif
 
 .PHONY: install run test lint clean
 
+# the browser stamp unless SKIP_BROWSER is set
+BROWSER := $(if $(SKIP_BROWSER),,$(VENV)/.browser)
+
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -32,7 +37,11 @@ endif
 
 $(VENV)/.dev: $(VENV)/.engine
 	$(BIN)/pip install -e '.[model,dev]'
-	# headless Chromium for the dashboard test (playwright drives it; no browser download)
+	touch $@
+
+# Debian's chromium package, system-wide, for the dashboard test (playwright drives
+# it; no browser download). Only as root with apt-get; otherwise the test is skipped.
+$(VENV)/.browser: | $(BIN)/python
 	if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 \
 	    && [ "$$(id -u)" = 0 ]; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi
@@ -44,8 +53,8 @@ install: $(VENV)/.engine
 run: install
 	$(BIN)/sluice serve
 
-test: $(VENV)/.dev install
-	$(BIN)/python -m pytest -q
+test: $(VENV)/.dev install $(BROWSER)
+	$(if $(SKIP_BROWSER),SLUICE_SKIP_BROWSER=1 )$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check .

@@ -33,7 +33,15 @@ class ConfigError(ValueError):
     """A configuration file is unreadable or invalid; ``str()`` is user-facing."""
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+#: What to write instead of an empty file, per kind.
+EMPTY_HINT = {
+    "gateway": "write `{}` for every default",
+    "engines": "list at least one engine",
+    "tenants": "write `tenants: []` for no tenants",
+}
+
+
+def _read_yaml(path: Path, kind: str) -> dict[str, Any]:
     try:
         text = path.read_text()
     except OSError as e:
@@ -42,8 +50,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
-    if data is None:
-        return {}
+    if data is None:  # also what a file being rewritten looks like: never "no settings"
+        raise ConfigError(f"{path}: the file is empty (or only comments); {EMPTY_HINT[kind]}")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     return data
@@ -95,9 +103,10 @@ def load_file(kind: str, path: Path) -> BaseModel:
     """Parse one file; ``kind`` is ``gateway``, ``engines`` or ``tenants``.
 
     Raises:
-        ConfigError: unreadable file, bad YAML, or a field that fails validation.
+        ConfigError: unreadable or empty file, bad YAML, or a field that fails
+            validation.
     """
-    data = _read_yaml(path)
+    data = _read_yaml(path, kind)
     if kind == "tenants":
         data = _merge_tenant_defaults(data)
     try:

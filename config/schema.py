@@ -14,9 +14,16 @@ silently ignored setting.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -36,7 +43,8 @@ class Timeouts(_Strict):
     """Upstream timeouts in seconds.
 
     ``total_s`` is ``None`` by default: a steadily streaming answer is never cut;
-    ``idle_s`` (gap between two chunks) and ``first_token_s`` catch a stuck engine.
+    ``idle_s`` (gap between two complete SSE events; bytes that do not complete an
+    event are no progress) and ``first_token_s`` catch a stuck engine.
     A non-streaming answer arrives in one piece, so it is bounded by ``non_stream_s``.
     """
 
@@ -115,6 +123,8 @@ class GatewayConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_event_bytes: int = Field(
+        1024 * 1024, ge=1024, description="longest streamed SSE event from an engine, bytes")
     timeouts: Timeouts = Timeouts()
     limits: LimitsConfig = LimitsConfig()
     queue: QueueConfig = QueueConfig()
@@ -123,7 +133,9 @@ class GatewayConfig(_Strict):
     admin_key_hashes: list[str] = Field(default_factory=list)
     retry_attempts: int = Field(2, ge=1, description="engines tried before the first byte")
     default_output_tokens: int = Field(
-        256, ge=1, description="output tokens reserved when a request sets no max_tokens")
+        256, ge=1, description="output tokens reserved when a request sets no output cap; "
+        "for a tenant with tokens_per_min it also becomes the request's cap (lowered to "
+        "what the quota can hold), so generation never exceeds what was reserved")
     drain_grace_s: float = Field(30.0, ge=0)
 
     @field_validator("admin_key_hashes")
@@ -201,6 +213,11 @@ class TenantsConfig(_Strict):
 # --------------------------------------------------------------------------- engines
 
 
+#: ``EngineSpec.tokenizer`` value naming the dependency-free tokenizer the simulator
+#: uses (``engines.blocks.FallbackEncoder``).
+FALLBACK_TOKENIZER = "fallback"
+
+
 class KVEventsEndpointSpec(_Strict):
     """Where an engine publishes KV-cache events (vLLM's ``--kv-events-config``):
     ``endpoint`` its PUB socket and ``replay_endpoint`` its replay (ROUTER) socket, as
@@ -217,15 +234,13 @@ class EngineSpec(_Strict):
     ``kind``: ``vllm`` (the gateway launches ``vllm serve``), ``sim`` (the gateway
     launches ``python -m loadtest.sim_engine``), ``external`` (only probed and routed
     to at ``url``). ``port`` or ``port_range`` [first, last] for launched kinds; with
-    neither, free ports are chosen.
+    neither, free ports are chosen. ``tokenizer``: see :attr:`tokenizer_source`.
     """
 
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     model: str = Field(..., description="served model name clients ask for")
     kind: Literal["vllm", "sim", "external"] = "vllm"
-    model_path: str | None = Field(
-        None, description="path or 'packaged:gemma3-270m'; for external engines, optional: "
-        "the local model folder whose tokenizer the gateway hashes prompts with")
+    model_path: str | None = Field(None, description="path or 'packaged:gemma3-270m'")
     url: str | None = None
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=1, le=65535)
@@ -238,12 +253,28 @@ class EngineSpec(_Strict):
     kv_events: KVEventsEndpointSpec | None = Field(
         None, description="an external engine's KV-event publisher (launched engines get "
         "one when scheduler.prefix.source is events)")
+    tokenizer: str | None = Field(
+        None, description=f"how the gateway tokenizes prompts for prefix routing: "
+        f"{FALLBACK_TOKENIZER!r} (the simulator's tokenizer), a folder with tokenizer.json, "
+        f"or 'packaged:gemma3-270m'; None: model_path for kind vllm, {FALLBACK_TOKENIZER!r} "
+        f"otherwise")
 
     @property
     def accepts_cache_salt(self) -> bool:
         """Whether requests to this engine may carry ``cache_salt`` (vLLM ≥ 0.9 and
         the simulator do; an ``external`` server is not assumed to)."""
         return self.cache_salt if self.cache_salt is not None else self.kind != "external"
+
+    @property
+    def tokenizer_source(self) -> str:
+        """``tokenizer``, or its default for the kind: a vLLM engine tokenizes with its
+        model's own tokenizer; the simulator with :data:`FALLBACK_TOKENIZER`; an
+        ``external`` server's tokenizer is not assumed to be on local disk."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        if self.kind == "vllm" and self.model_path:
+            return self.model_path
+        return FALLBACK_TOKENIZER
 
     @model_validator(mode="after")
     def _kind(self) -> EngineSpec:
@@ -274,12 +305,53 @@ class ModelConfig(_Strict):
 
 
 class PluginConfig(_Strict):
-    """A scheduler plugin chosen by its kebab-case ``type``; ``weight`` applies to
-    scorers; ``params`` go to the plugin's constructor."""
+    """A scheduler plugin of one role, chosen by its kebab-case ``type`` among the
+    plugins registered for the role (:mod:`engines.plugins`); ``params`` are checked
+    against the plugin's ``Params`` model, and stored with its defaults filled in.
+    An unknown type is an error at ``….type`` listing the valid ones; a bad
+    parameter, one at ``….params.<name>``. Use :class:`FilterConfig`,
+    :class:`ScorerConfig` or :class:`PickerConfig`."""
 
+    role: ClassVar[str]
     type: str
-    weight: float = Field(1.0, ge=0)
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, v: str) -> str:
+        from engines.plugins import plugin_class  # engines.plugins imports this module
+
+        plugin_class(cls.role, v)
+        return v
+
+    @field_validator("params")
+    @classmethod
+    def _typed_params(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "type" not in info.data:  # the type is already reported as unknown
+            return v
+        from engines.plugins import plugin_class
+
+        params: BaseModel = plugin_class(cls.role, info.data["type"]).Params.model_validate(v)
+        return params.model_dump()
+
+
+class FilterConfig(PluginConfig):
+    """A filter: removes engines that should not take the request."""
+
+    role: ClassVar[str] = "filter"
+
+
+class ScorerConfig(PluginConfig):
+    """A scorer; ``weight`` multiplies its 0–1 score in the total."""
+
+    role: ClassVar[str] = "scorer"
+    weight: float = Field(1.0, ge=0)
+
+
+class PickerConfig(PluginConfig):
+    """The picker: chooses the engine from the total scores."""
+
+    role: ClassVar[str] = "picker"
 
 
 class PrefixConfig(_Strict):
@@ -319,11 +391,11 @@ class SessionsConfig(_Strict):
 
 
 class SchedulerConfig(_Strict):
-    filters: list[PluginConfig] = Field(default_factory=list)
-    scorers: list[PluginConfig] = Field(
-        default_factory=lambda: [PluginConfig(type="least-in-flight")]
+    filters: list[FilterConfig] = Field(default_factory=list)
+    scorers: list[ScorerConfig] = Field(
+        default_factory=lambda: [ScorerConfig(type="least-in-flight")]
     )
-    picker: PluginConfig = PluginConfig(type="max-score")
+    picker: PickerConfig = Field(default_factory=lambda: PickerConfig(type="max-score"))
     prefix: PrefixConfig = PrefixConfig()
     sessions: SessionsConfig = SessionsConfig()
 

@@ -4,14 +4,17 @@ Plugins are pure: synchronous, no I/O, no waiting. Everything they need is in th
 request and the :class:`~engines.pool.Engine` views (state, in-flight count, latest
 metrics snapshot), plus ``now`` from the caller's clock for freshness checks.
 Implementations are chosen by a kebab-case ``type`` through
-:data:`engines.plugins.REGISTRY` and built with ``cls(**params)`` from YAML.
+:func:`engines.plugins.plugin_class`; each declares its parameters as a pydantic
+model ``Params`` and is built from the validated YAML (:mod:`engines.plugins`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
+
+from pydantic import BaseModel
 
 from config.schema import Priority
 from engines.pool import Engine
@@ -57,6 +60,9 @@ class Filter(Protocol):
     list (the scheduler then falls back to the unfiltered healthy list).
     """
 
+    #: the plugin's parameters (``params:`` in engines.yaml), a pydantic model
+    Params: ClassVar[type[BaseModel]]
+
     def filter(
         self, req: SchedRequest, engines: Sequence[Engine], now: float
     ) -> list[Engine]: ...
@@ -69,6 +75,9 @@ class Scorer(Protocol):
     The scheduler multiplies it by the scorer's configured ``weight``.
     """
 
+    #: the plugin's parameters (``params:`` in engines.yaml), a pydantic model
+    Params: ClassVar[type[BaseModel]]
+
     def score(
         self, req: SchedRequest, engines: Sequence[Engine], now: float
     ) -> list[float]: ...
@@ -77,6 +86,9 @@ class Scorer(Protocol):
 class Picker(Protocol):
     """Chooses one engine from non-empty ``engines`` given their total scores
     (same order). Returns the index of the chosen engine."""
+
+    #: the plugin's parameters (``params:`` in engines.yaml), a pydantic model
+    Params: ClassVar[type[BaseModel]]
 
     def pick(self, engines: Sequence[Engine], totals: Sequence[float]) -> int: ...
 

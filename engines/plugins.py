@@ -1,11 +1,14 @@
 """Scheduler plugins and the explicit registry that builds them from YAML.
 
 Each role has an immutable mapping from the kebab-case ``type`` used in
-``engines.yaml`` to a class; :func:`build_filter`, :func:`build_scorer` and
-:func:`build_picker` construct one from a :class:`~config.schema.PluginConfig` with
-``cls(**params)`` (pickers also get the scheduler's ``rng``). To add a plugin, write a
-class that satisfies the protocol in :mod:`engines.interfaces` and add it to the
-mapping of its role below.
+``engines.yaml`` to a class. Every class declares its typed parameters as a nested
+pydantic model ``Params`` (:class:`NoParams` when it has none); the configuration
+schema validates ``type`` and ``params`` against this registry when the file loads
+(:func:`plugin_class`), and :func:`build_filter`, :func:`build_scorer` and
+:func:`build_picker` construct the plugin with ``cls(params=Params(**params))``, or
+``cls()`` when it has none (pickers also get the scheduler's ``rng``). To add a plugin, write a class that
+satisfies the protocol in :mod:`engines.interfaces` and add it to the mapping of its
+role below.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import random
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from config.schema import PluginConfig
 from engines.interfaces import Filter, Picker, SchedRequest, Scorer
@@ -28,6 +33,13 @@ def engine_load(engine: Engine) -> int:
     m = engine.metrics
     reported = m.num_running + m.num_waiting if m else 0
     return max(engine.in_flight, reported, 0)
+
+
+class NoParams(BaseModel):
+    """Parameters of a plugin that takes none; any key is an error. Plugins with
+    parameters subclass it (unknown keys stay errors, values are immutable)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 # --------------------------------------------------------------------------- filters
@@ -46,10 +58,11 @@ class KvWatermark:
     0.8 by default).
     """
 
-    def __init__(self, watermark: float = 0.8) -> None:
-        if not 0 < watermark <= 1:
-            raise ValueError("watermark must be in (0, 1]")
-        self.watermark = watermark
+    class Params(NoParams):
+        watermark: float = Field(0.8, gt=0, le=1, description="KV-cache usage fraction 0-1")
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.watermark = (params or self.Params()).watermark
 
     def filter(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[Engine]:
         return [e for e in engines
@@ -79,11 +92,14 @@ class LoadGuard:
         rel_threshold: allowed excess as a fraction of the least load (default 0.25).
     """
 
-    def __init__(self, abs_threshold: float = 4.0, rel_threshold: float = 0.25) -> None:
-        if abs_threshold < 0 or rel_threshold < 0:
-            raise ValueError("thresholds must be >= 0")
-        self.abs_threshold = abs_threshold
-        self.rel_threshold = rel_threshold
+    class Params(NoParams):
+        abs_threshold: float = Field(4.0, ge=0, description="requests")
+        rel_threshold: float = Field(0.25, ge=0, description="fraction of the least load")
+
+    def __init__(self, params: Params | None = None) -> None:
+        params = params or self.Params()
+        self.abs_threshold = params.abs_threshold
+        self.rel_threshold = params.rel_threshold
 
     def filter(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[Engine]:
         loads = [engine_load(e) for e in engines]
@@ -109,6 +125,8 @@ class PrefixAffinity:
     cache-aware match rate. No parameters.
     """
 
+    Params = NoParams
+
     def score(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[float]:
         n = len(req.blocks)
         if n == 0:
@@ -121,6 +139,8 @@ class KvCacheUsage:
     the engine has not reported usage). Free blocks admit new requests without
     preempting running ones and keep more of the cached prefixes alive. Source:
     llm-d inference scheduler's ``kv-cache-utilization-scorer``. No parameters."""
+
+    Params = NoParams
 
     def score(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[float]:
         return [0.0 if e.kv_cache_usage is None else min(max(1.0 - e.kv_cache_usage, 0.0), 1.0)
@@ -135,6 +155,8 @@ class QueueDepth:
     ties between equally good prefixes instead of overriding them. Source: llm-d
     inference scheduler's ``queue-scorer`` (waiting queue size) and the
     least-outstanding-requests balancing of Envoy. No parameters."""
+
+    Params = NoParams
 
     def score(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[float]:
         loads = [engine_load(e) for e in engines]
@@ -153,6 +175,8 @@ class SessionAffinity:
     sessions of HTTP load balancers (e.g. Envoy's ring-hash/Maglev on a header) and
     the session-affinity scorer of llm-d's inference scheduler. No parameters."""
 
+    Params = NoParams
+
     def score(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[float]:
         target = req.session_engine
         return [1.0 if target is not None and e.id == target else 0.0 for e in engines]
@@ -168,6 +192,8 @@ class LeastInFlight:
     engine scores 1. No parameters.
     """
 
+    Params = NoParams
+
     def score(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[float]:
         busiest = max((e.in_flight for e in engines), default=0)
         if busiest <= 0:
@@ -179,9 +205,12 @@ class MaxScore:
     """Picks the engine with the highest total score; ties (totals within
     ``tolerance``, default 1e-9) are broken uniformly at random with ``rng``."""
 
-    def __init__(self, rng: random.Random, tolerance: float = 1e-9) -> None:
+    class Params(NoParams):
+        tolerance: float = Field(1e-9, ge=0, description="score difference counted as a tie")
+
+    def __init__(self, rng: random.Random, params: Params | None = None) -> None:
         self.rng = rng
-        self.tolerance = tolerance
+        self.tolerance = (params or self.Params()).tolerance
 
     def pick(self, engines: Sequence[Engine], totals: Sequence[float]) -> int:
         best = max(totals)
@@ -193,6 +222,8 @@ class RoundRobin:
     """Ignores the scores: the *k*-th pick takes candidate ``k mod n`` (the classic
     cache-blind baseline). ``rng`` is accepted for the uniform picker signature and
     unused."""
+
+    Params = NoParams
 
     def __init__(self, rng: random.Random) -> None:
         self._next = 0
@@ -220,33 +251,45 @@ PICKERS: Mapping[str, type[Picker]] = MappingProxyType({
 })
 
 
-def _build(role: str, registry: Mapping[str, type], cfg: PluginConfig, **extra: Any) -> Any:
-    cls = registry.get(cfg.type)
+def plugin_class(role: str, type_: str) -> type[Any]:
+    """The class registered as ``type_`` for ``role`` (``filter``, ``scorer`` or
+    ``picker``); its ``Params`` model validates the plugin's ``params``.
+
+    Raises:
+        ValueError: unknown type; the message lists the valid ones.
+    """
+    registry: Mapping[str, type[Any]] = {"filter": FILTERS, "scorer": SCORERS,
+                                         "picker": PICKERS}[role]
+    cls = registry.get(type_)
     if cls is None:
-        known = ", ".join(sorted(registry)) or "none"
-        raise ValueError(f"unknown {role} type {cfg.type!r} (known: {known})")
-    try:
-        return cls(**cfg.params, **extra)
-    except TypeError as e:
-        raise ValueError(f"{role} {cfg.type!r}: bad params {cfg.params!r}: {e}") from None
+        valid = ", ".join(sorted(registry)) or "none"
+        raise ValueError(f"unknown {role} type {type_!r}; valid types: {valid}")
+    return cls
+
+
+def _build(role: str, cfg: PluginConfig, **extra: Any) -> Any:
+    cls = plugin_class(role, cfg.type)
+    params = cls.Params.model_validate(cfg.params)
+    return cls(**extra) if cls.Params is NoParams else cls(params=params, **extra)
 
 
 def build_filter(cfg: PluginConfig) -> Filter:
-    """The filter named by ``cfg.type``.
+    """The filter named by ``cfg.type`` with its validated ``cfg.params``.
 
     Raises:
-        ValueError: unknown type (the message names it and lists the known ones), or
-            params the class does not accept.
+        ValueError: unknown type (the message names it and lists the valid ones).
+        pydantic.ValidationError: params the plugin's ``Params`` model rejects
+            (the configuration schema has normally rejected them when it loaded).
     """
-    return _build("filter", FILTERS, cfg)
+    return _build("filter", cfg)
 
 
 def build_scorer(cfg: PluginConfig) -> Scorer:
-    """The scorer named by ``cfg.type``. Raises ValueError as :func:`build_filter`."""
-    return _build("scorer", SCORERS, cfg)
+    """The scorer named by ``cfg.type``. Raises as :func:`build_filter`."""
+    return _build("scorer", cfg)
 
 
 def build_picker(cfg: PluginConfig, rng: random.Random) -> Picker:
-    """The picker named by ``cfg.type``, given ``rng`` for random choices. Raises
-    ValueError as :func:`build_filter`."""
-    return _build("picker", PICKERS, cfg, rng=rng)
+    """The picker named by ``cfg.type``, given ``rng`` for random choices. Raises as
+    :func:`build_filter`."""
+    return _build("picker", cfg, rng=rng)

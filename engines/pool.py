@@ -9,10 +9,10 @@ can retry placement without polling.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engines.breaker import CircuitBreaker
 from engines.kv_events import EventsEndpoint
 
 
@@ -71,9 +71,8 @@ class Engine:
             (prefix index) drop entries from older generations.
         promised_blocks: KV blocks reserved by in-flight requests (limits' KV budget).
         restarts: restarts so far.
-        upstream_failures: requests in a row that timed out before their first token
-            or could not connect (the gateway resets it on a success); at the
-            supervisor's ``failure_threshold`` the engine's probes count as failed.
+        breaker: the engine's :class:`~engines.breaker.CircuitBreaker` (requests that
+            timed out before their first token or could not connect open it).
         kv_events: where the engine publishes KV-cache events, if it does.
     """
 
@@ -86,13 +85,14 @@ class Engine:
     generation: int = 0
     promised_blocks: int = 0
     restarts: int = 0
-    upstream_failures: int = 0
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     labels: dict[str, str] = field(default_factory=dict)
     kv_events: EventsEndpoint | None = None
 
     @property
     def routable(self) -> bool:
-        return self.state is EngineState.READY
+        """Ready, and its circuit breaker admits one more request."""
+        return self.state is EngineState.READY and self.breaker.admits(self.in_flight)
 
     # The load view admission control reads (``limits.interfaces.EngineLoad``).
     @property
@@ -143,8 +143,9 @@ class EnginePool:
         return self._by_model.get(model, [])
 
     def ready_models(self) -> list[str]:
-        """Models with at least one ready engine, in configuration order."""
-        return list(dict.fromkeys(e.model for e in self.engines if e.routable))
+        """Models with at least one ready engine (whatever its circuit breaker says: a
+        breaker opens for seconds), in configuration order."""
+        return list(dict.fromkeys(e.model for e in self.engines if e.state is EngineState.READY))
 
     def set_state(self, engine: Engine, state: EngineState) -> None:
         if engine.state is not state:
@@ -155,26 +156,53 @@ class EnginePool:
         engine.metrics = snapshot
         self.notify()
 
-    def acquire(self, engine: Engine, blocks: int = 0) -> None:
-        """Count one in-flight request and ``blocks`` promised KV blocks on
-        ``engine``; pair with exactly one :meth:`release`."""
+    def lease(self, engine: Engine, blocks: int = 0) -> EngineLease:
+        """Count one in-flight request and ``blocks`` promised KV blocks on ``engine``
+        until the returned lease is released (the one way to take engine capacity)."""
         engine.in_flight += 1
         engine.promised_blocks += blocks
+        return EngineLease(self, engine, blocks)
 
-    def release(self, engine: Engine, blocks: int = 0) -> None:
+    def _give_back(self, engine: Engine, blocks: int) -> None:
         engine.in_flight -= 1
         engine.promised_blocks -= blocks
         self.notify()
 
-    @contextmanager
-    def lease(self, engine: Engine, blocks: int = 0) -> Iterator[Engine]:
-        """:meth:`acquire` for the duration of the ``with`` block."""
-        self.acquire(engine, blocks)
-        try:
-            yield engine
-        finally:
-            self.release(engine, blocks)
-
     def notify(self) -> None:
         for fn in self.listeners:
             fn()
+
+
+class EngineLease:
+    """One request's hold on an engine: one in-flight slot and ``blocks`` promised KV
+    blocks. :meth:`release` gives them back exactly once, however often it is called;
+    usable as ``with lease:`` or ``async with lease:`` (released on exit).
+
+    Attributes:
+        engine: the engine held.
+        blocks: promised KV blocks, blocks.
+        released: whether :meth:`release` ran.
+    """
+
+    def __init__(self, pool: EnginePool, engine: Engine, blocks: int) -> None:
+        self.engine = engine
+        self.blocks = blocks
+        self.released = False
+        self._pool = pool
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._pool._give_back(self.engine, self.blocks)
+
+    def __enter__(self) -> EngineLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    async def __aenter__(self) -> EngineLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()

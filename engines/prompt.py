@@ -37,7 +37,7 @@ from hashlib import blake2b
 from pathlib import Path
 from typing import Any
 
-from config.schema import EnginesConfig, EngineSpec
+from config.schema import FALLBACK_TOKENIZER, EnginesConfig, EngineSpec
 from engines.blocks import chain_block_hashes, fallback_tokenize
 from engines.interfaces import PromptEncoder
 from engines.pool import EnginePool
@@ -198,31 +198,28 @@ class HFEncoder:
 
 
 def local_model_folder(spec: EngineSpec, cache_dir: Path | None = None) -> Path | None:
-    """The local folder holding ``spec``'s tokenizer, or None: the prepared folder for
-    ``packaged:gemma3-270m`` (only if already prepared — preparing takes a minute),
-    ``model_path`` itself if it is a directory with a ``tokenizer.json``."""
-    if spec.model_path is None:
+    """The local folder holding ``spec``'s tokenizer (:attr:`EngineSpec.tokenizer_source`),
+    or None: the prepared folder for ``packaged:gemma3-270m`` (only if already prepared —
+    preparing takes a minute), or the source itself if it is a directory with a
+    ``tokenizer.json``; None for :data:`~config.schema.FALLBACK_TOKENIZER`."""
+    source = spec.tokenizer_source
+    if source == FALLBACK_TOKENIZER:
         return None
-    if spec.model_path == PACKAGED_GEMMA:
+    if source == PACKAGED_GEMMA:
         folder = (cache_dir or default_cache_dir()) / MODEL_DIRNAME
         return folder if is_prepared(folder) else None
-    folder = Path(spec.model_path).expanduser()
+    folder = Path(source).expanduser()
     return folder if (folder / "tokenizer.json").is_file() else None
 
 
 def encoder_for(spec: EngineSpec, cache_dir: Path | None = None,
                 turn_cache_tokens: int = DEFAULT_MAX_TOKENS) -> PromptEncoder:
-    """The encoder that reproduces ``spec``'s tokens: the simulator's for
-    ``kind: sim``; the model's own tokenizer for ``kind: vllm`` — and for
-    ``external`` engines whose ``model_path`` names a local model folder — when it
-    is on local disk (its chat turns cached up to ``turn_cache_tokens`` ids; 0: no
-    cache); the fallback otherwise."""
-    if spec.kind == "sim":
-        return FallbackEncoder()
+    """The encoder that reproduces ``spec``'s tokens: the tokenizer its ``tokenizer``
+    field names (by default the model's own for ``kind: vllm``, the simulator's
+    fallback for the other kinds) when it is on local disk (its chat turns cached up
+    to ``turn_cache_tokens`` ids; 0: no cache); the fallback otherwise."""
     folder = local_model_folder(spec, cache_dir)
-    if folder is None:
-        return FallbackEncoder()
-    return HFEncoder(folder, turn_cache_tokens)
+    return FallbackEncoder() if folder is None else HFEncoder(folder, turn_cache_tokens)
 
 
 @dataclass(frozen=True)
@@ -256,6 +253,20 @@ def encode(encoder: PromptEncoder, prompt: PromptInput) -> list[int]:
     return []
 
 
+@dataclass(frozen=True)
+class Measured:
+    """A prompt as the engine will tokenize it.
+
+    Attributes:
+        tokens: its exact token count when the model's encoder reproduces the
+            engine's (the model's own tokenizer, or the simulator's); else None.
+        blocks: chained block hashes (see :meth:`PromptBlocks.measure_sync`).
+    """
+
+    tokens: int | None
+    blocks: tuple[int, ...]
+
+
 class PromptBlocks:
     """Chained block hashes of requests, per served model.
 
@@ -275,11 +286,16 @@ class PromptBlocks:
         self.block_size_override = cfg.scheduler.prefix.block_size
         self.max_blocks = cfg.scheduler.prefix.max_blocks
         self._encoders: dict[str, PromptEncoder] = {}
+        #: models whose encoder reproduces the engine's own token count
+        self._exact: set[str] = set()
         for spec in cfg.engines:
             if spec.model not in self._encoders:
-                self._encoders[spec.model] = encoder_for(
+                enc = self._encoders[spec.model] = encoder_for(
                     spec, cache_dir, cfg.scheduler.prefix.turn_cache_tokens)
+                if spec.kind == "sim" or isinstance(enc, HFEncoder):
+                    self._exact.add(spec.model)
         self._encoders.update(encoders or {})
+        self._exact.update(encoders or {})
         self._fallback = FallbackEncoder()
 
     def encoder(self, model: str) -> PromptEncoder:
@@ -295,29 +311,38 @@ class PromptBlocks:
                 return e.block_size
         return DEFAULT_BLOCK_SIZE
 
-    def blocks_sync(self, model: str, prompt: PromptInput, salt: str | None) -> tuple[int, ...]:
-        """Chained hashes of the prompt's full blocks (at most ``max_blocks``), salted
-        with ``salt``; runs the encoder on the calling thread."""
+    def measure_sync(self, model: str, prompt: PromptInput, salt: str | None) -> Measured:
+        """The prompt's token count and the chained hashes of its full blocks (at most
+        ``max_blocks``), salted with ``salt``; runs the encoder on the calling thread."""
         tokens = encode(self.encoder(model), prompt)
+        exact = len(tokens) if tokens and model in self._exact else None
         size = self.block_size(model)
         if self.max_blocks is not None:
             tokens = tokens[: self.max_blocks * size]
-        return tuple(chain_block_hashes(tokens, size, salt))
+        return Measured(exact, tuple(chain_block_hashes(tokens, size, salt)))
 
-    async def blocks(self, model: str, prompt: PromptInput, salt: str | None,
-                     ) -> tuple[int, ...]:
-        """:meth:`blocks_sync`, in a worker thread for encoders that ask for it (the
+    def blocks_sync(self, model: str, prompt: PromptInput, salt: str | None) -> tuple[int, ...]:
+        """:meth:`measure_sync`'s block hashes."""
+        return self.measure_sync(model, prompt, salt).blocks
+
+    async def measure(self, model: str, prompt: PromptInput, salt: str | None) -> Measured:
+        """:meth:`measure_sync`, in a worker thread for encoders that ask for it (the
         event loop never waits on a tokenizer load or a long encode). An encoder
-        failure (bad template input) gives no blocks, never an error."""
+        failure (bad template input) gives no count and no blocks, never an error."""
         encoder = self.encoder(model)
-        run: Callable[[], tuple[int, ...]] = lambda: self.blocks_sync(model, prompt, salt)  # noqa: E731
+        run: Callable[[], Measured] = lambda: self.measure_sync(model, prompt, salt)  # noqa: E731
         try:
             if not encoder.offload:
                 return run()
             return await asyncio.to_thread(run)
         except Exception as e:  # noqa: BLE001 - routing must not fail a request
             log.warning("prompt blocks for %s failed: %r", model, e)
-            return ()
+            return Measured(None, ())
+
+    async def blocks(self, model: str, prompt: PromptInput, salt: str | None,
+                     ) -> tuple[int, ...]:
+        """:meth:`measure`'s block hashes."""
+        return (await self.measure(model, prompt, salt)).blocks
 
 
 #: vLLM's limits on ``cache_salt`` (``validate_cache_salt`` in

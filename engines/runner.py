@@ -8,11 +8,13 @@
   ``startup_grace_s`` → restart.
 * ``ready`` — probed every ``probe_interval_s``; when no probe has seen a request
   of this gateway in flight on it for ``inference_probe_idle_s``, the probe adds a
-  1-token completion (then again every ``inference_probe_idle_s`` while idle).
-  ``failure_threshold`` requests in a row that timed out before their first token or
-  could not connect (``Engine.upstream_failures``, counted by the gateway) fail the
-  probes too. A failed probe does not count while the metrics show the engine busy
-  and making progress (:func:`~engines.health.made_progress`).
+  1-token completion (then again every ``inference_probe_idle_s`` while idle), and
+  so does every probe while the engine's circuit breaker is not closed (the gateway
+  opened it after ``failure_threshold`` requests in a row timed out before their
+  first token or could not connect; :mod:`engines.breaker`). Each inference probe's
+  outcome is recorded in the breaker: a success closes it. A failed probe does not
+  count while the metrics show the engine busy and making progress
+  (:func:`~engines.health.made_progress`).
   ``failure_threshold`` consecutive failures → ``unhealthy``.
 * ``unhealthy`` — no traffic, still probed, always with a 1-token completion (its
   ``/health`` may answer while inference hangs): a success returns it to ``ready``;
@@ -40,6 +42,7 @@ from pathlib import Path
 import aiohttp
 
 from config.schema import EngineSpec, SupervisorConfig
+from engines.breaker import BreakerState
 from engines.health import backoff_delay, made_progress, probe_inference, probe_ready
 from engines.pool import Engine, EnginePool, EngineState
 from engines.prepare import resolve_model_path
@@ -199,17 +202,15 @@ class EngineRunner:
                 last_busy = now
             # an unhealthy engine must answer a real 1-token completion to come back
             # (its /health may answer while inference hangs)
+            # ... and so must one whose breaker the gateway's failed requests opened
             inference = (engine.state is EngineState.UNHEALTHY
+                         or engine.breaker.state is not BreakerState.CLOSED
                          or now - last_busy >= cfg.inference_probe_idle_s)
             ok = await self._race(self._probe(inference), exited)
             if inference:
                 last_busy = self.clock()
-                if ok:  # a real completion worked: the traffic failures are history
-                    engine.upstream_failures = 0
-            # failure_threshold requests in a row that timed out before their first token
-            # or could not connect fail the probes too (DESIGN.md, Engines), until an
-            # inference probe succeeds -- unless the engine is visibly making progress
-            ok = ok and engine.upstream_failures < cfg.failure_threshold
+                engine.breaker.record(ok)
+                self.pool.notify()  # a closed breaker makes the engine routable again
             ok = ok or made_progress(seen, engine.metrics, self.clock(), cfg.metrics_stale_s)
             seen = engine.metrics
             if ok:

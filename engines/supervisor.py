@@ -19,6 +19,7 @@ from pathlib import Path
 import aiohttp
 
 from config.schema import EnginesConfig, EngineSpec
+from engines.breaker import CircuitBreaker
 from engines.kv_events import EventsEndpoint
 from engines.metrics import MetricsPoller
 from engines.pool import Engine, EnginePool, EngineState
@@ -149,8 +150,12 @@ class Supervisor:
                     port = spec.port or choose_port(spec.host, spec.port_range, taken)
                     taken.add(port)
                     base_url = f"http://{spec.host}:{port}"
+                # open long enough for the runner's inference probe to decide first
+                breaker = CircuitBreaker(failure_threshold=sup.failure_threshold,
+                                         open_s=sup.probe_interval_s + sup.probe_timeout_s,
+                                         clock=self.clock)
                 engine = Engine(id=engine_id, model=spec.model, base_url=base_url,
-                                labels={"spec": spec.name, "kind": spec.kind})
+                                breaker=breaker, labels={"spec": spec.name, "kind": spec.kind})
                 extra: list[str] = []
                 if events and command is not None:
                     engine.kv_events, extra = kv_events_flag(engine_id, spec.host, taken)

@@ -14,13 +14,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.auth import hash_key, is_loopback, presented_key
-from gateway.keys import CONFIG
+from gateway.keys import CONFIG, METRICS, STATS
 from gateway.metrics import GatewayMetrics
-from gateway.stats import StatsFeed
 from limits.outcome import Outcome, Rejected
-
-METRICS = web.AppKey("metrics", GatewayMetrics)
-STATS = web.AppKey("stats", StatsFeed)
 
 
 def require_admin(request: web.Request) -> None:

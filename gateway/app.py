@@ -5,6 +5,12 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 (liveness: the process answers), ``GET /ready`` (every configured model has a ready
 engine; 503 otherwise), ``GET /metrics`` (Prometheus; or on ``metrics_listen``),
 ``GET /admin/stats`` (the dashboard's feed; admin key).
+
+:func:`create_app` builds everything that needs no event loop — the scheduler (so a
+bad plugin fails before any engine starts), admission queues, counter store, metrics
+and their collectors — and registers the module-level ``cleanup_ctx`` functions below,
+which start and stop the rest in order: engines, request pipeline, KV-event
+subscribers, background tasks, tracing, the separate metrics listener. Every key is in :mod:`gateway.keys`.
 """
 
 from __future__ import annotations
@@ -27,11 +33,31 @@ from engines.prefix_events import EventPrefixIndex
 from engines.scheduler import Scheduler
 from engines.supervisor import Supervisor
 from gateway.access_log import log_access
-from gateway.admin import METRICS, STATS, metrics_app, metrics_handler, stats_handler
+from gateway.admin import metrics_app, metrics_handler, stats_handler
 from gateway.auth import TenantDirectory
 from gateway.dashboard import dashboard
-from gateway.director import Director, Placement
-from gateway.keys import CONFIG, OBSERVERS, POOL, SESSION, SPANS, TENANT, TENANTS
+from gateway.director import Director
+from gateway.keys import (
+    CLOCK,
+    CONFIG,
+    DIRECTOR,
+    LIMITER,
+    METRICS,
+    MODEL_CACHE_DIR,
+    OBSERVERS,
+    POOL,
+    QUEUES,
+    RELOADER,
+    SCHEDULER,
+    SESSION,
+    SPANS,
+    STATS,
+    STORE,
+    SUPERVISOR,
+    TENANT,
+    TENANTS,
+    TRACER_PROVIDER,
+)
 from gateway.metrics import FleetCollector, GatewayMetrics
 from gateway.middlewares import auth_middleware, errors_middleware
 from gateway.proxy import EngineClient
@@ -40,15 +66,10 @@ from gateway.stats import StatsFeed
 from gateway.tracing import make_tracer
 from limits.admission import AdmissionQueue
 from limits.clock import MonotonicClock
-from limits.interfaces import CounterStore
 from limits.rate_limit import RateLimiter
 from limits.saturation import SaturationDetector
 from limits.stores import open_store
 
-DIRECTOR = web.AppKey("director", Director)
-SUPERVISOR = web.AppKey("supervisor", Supervisor)
-RELOADER = web.AppKey("reloader", TenantReloader | None)
-STORE = web.AppKey("store", CounterStore)
 STARTED = int(time.time())
 
 
@@ -91,120 +112,52 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
                span_exporter: SpanExporter | None = None) -> web.Application:
     """Build the gateway app for ``cfg``. Engines are launched (or probed, for
     ``external`` ones) when the app starts and drained when it stops.
-    ``span_exporter`` receives the traces (tests); otherwise traces go to the OTLP
-    endpoint configured, or are not made."""
+
+    Args:
+        cfg: the loaded configuration.
+        model_cache_dir: where ``packaged:`` models are prepared (None: default).
+        span_exporter: receives the traces (tests); otherwise traces go to the OTLP
+            endpoint configured, or are not made.
+
+    Raises:
+        ValueError: the scheduler's plugins cannot be built (the configuration
+            schema normally rejected them when it loaded).
+    """
     app = web.Application(
         middlewares=[errors_middleware, auth_middleware],
         client_max_size=cfg.gateway.max_body_bytes,
     )
+    obs, limits, cache_cfg = cfg.gateway.observability, cfg.gateway.limits, cfg.gateway.cache
     app[CONFIG] = cfg
+    app[MODEL_CACHE_DIR] = model_cache_dir
     app[TENANTS] = TenantDirectory(cfg.tenants)
     app[POOL] = EnginePool()
-    obs = cfg.gateway.observability
-    cache_cfg = cfg.gateway.cache
-    metrics = GatewayMetrics(cfg.engines.model_names(),
+    app[SCHEDULER] = Scheduler(cfg.engines.scheduler)
+    app[CLOCK] = clock = MonotonicClock()
+    app[QUEUES] = {m: AdmissionQueue(model=m, config=cfg.gateway.queue, clock=clock)
+                   for m in cfg.engines.model_names()}
+    app[STORE] = open_store(limits.store_url, failure=limits.redis_failure,
+                            timeout_s=limits.redis_timeout_s)  # connects lazily
+    app[LIMITER] = RateLimiter(store=app[STORE], lease_ttl_s=limits.lease_ttl_s)
+    metrics = GatewayMetrics(models=cfg.engines.model_names(),
                              semantic=cache_cfg.enabled and cache_cfg.semantic.enabled)
     app[METRICS] = metrics
+    metrics.registry.register(FleetCollector(pool=app[POOL], queues=app[QUEUES],
+                                             metrics=metrics, store=app[STORE],
+                                             limiter=app[LIMITER]))
     app[OBSERVERS] = ([metrics.observe] if obs.metrics else []) + (
         [log_access] if obs.access_log else [])
-    spans, provider = make_tracer(obs, span_exporter)
-    app[SPANS] = spans
-
-    def queues() -> dict[str, AdmissionQueue[Placement]]:
-        return app[DIRECTOR].queues if DIRECTOR in app else {}
-
-    metrics.registry.register(FleetCollector(
-        app[POOL], queues, metrics, lambda: getattr(app.get(STORE), "failovers", 0)))
-    app[STATS] = StatsFeed(metrics, app[POOL], queues,
-                           lambda: app[RELOADER].history if app.get(RELOADER) else ())
-
-    async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
-        session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
-            auto_decompress=False,
-        )
-        app[SESSION] = session
-        supervisor = Supervisor(cfg.engines, app[POOL], session, model_cache_dir=model_cache_dir)
-        app[SUPERVISOR] = supervisor
-        await supervisor.start()
-        try:
-            yield
-        finally:
-            await supervisor.stop(cfg.gateway.drain_grace_s)
-            await session.close()
-
-    async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
-        limits = cfg.gateway.limits
-        store = open_store(limits.store_url, failure=limits.redis_failure,
-                           timeout_s=limits.redis_timeout_s)
-        clock = MonotonicClock()
-        queues: dict[str, AdmissionQueue[Placement]] = {
-            m: AdmissionQueue(m, cfg.gateway.queue, clock) for m in cfg.engines.model_names()}
-        app[STORE] = store
-        # loading the embedding model takes seconds: keep it off the event loop
-        cache = await asyncio.to_thread(open_cache, cfg.gateway.cache) \
-            if cfg.gateway.cache.enabled else None
-        app[DIRECTOR] = Director(
-            cfg, app[POOL], Scheduler(cfg.engines.scheduler),
-            EngineClient(app[SESSION], cfg.gateway.timeouts),
-            RateLimiter(store, lease_ttl_s=limits.lease_ttl_s), queues,
-            SaturationDetector.from_config(cfg.engines), cache, spans)
-
-        def kick() -> None:
-            for q in queues.values():
-                q.kick()
-
-        app[POOL].listeners.append(kick)
-        try:
-            yield
-        finally:
-            app[POOL].listeners.remove(kick)
-            for q in queues.values():
-                q.close()
-            if cache is not None:
-                await cache.close()
-            await store.close()
-
-    async def kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
-        # every gateway process follows the engines' KV events into its own index
-        index = app[DIRECTOR].scheduler.index
-        subscribers = KVEventSubscribers(index) if isinstance(index, EventPrefixIndex) else None
-        if subscribers is not None:
-            subscribers.follow(app[POOL].engines)
-        yield
-        if subscribers is not None:
-            await subscribers.stop()
-
-    async def reload_ctx(app: web.Application) -> AsyncIterator[None]:
-        path = cfg.paths.get("tenants")
-        app[RELOADER] = TenantReloader(Path(path), app[TENANTS], metrics.on_reload) \
-            if path else None
-        tasks = [asyncio.create_task(app[STATS].run())]
-        if path:
-            tasks.append(asyncio.create_task(app[RELOADER].run()))
-        yield
-        for task in tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def metrics_listen_ctx(app: web.Application) -> AsyncIterator[None]:
-        host, _, port = (obs.metrics_listen or "").rpartition(":")
-        runner = web.AppRunner(metrics_app(metrics), access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
-        yield
-        await runner.cleanup()
-
-    async def tracing_ctx(app: web.Application) -> AsyncIterator[None]:
-        yield
-        if provider is not None:
-            provider.shutdown()
+    app[SPANS], app[TRACER_PROVIDER] = make_tracer(obs, span_exporter)
+    tenants_path = cfg.paths.get("tenants")
+    app[RELOADER] = TenantReloader(path=Path(tenants_path), tenants=app[TENANTS],
+                                   on_result=metrics.on_reload) if tenants_path else None
+    app[STATS] = StatsFeed(metrics=metrics, pool=app[POOL], queues=app[QUEUES],
+                           reloads=app[RELOADER].history if app[RELOADER] else ())
 
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(pipeline_ctx)
     app.cleanup_ctx.append(kv_events_ctx)
-    app.cleanup_ctx.append(reload_ctx)
+    app.cleanup_ctx.append(background_ctx)
     app.cleanup_ctx.append(tracing_ctx)
     if obs.metrics_listen:
         app.cleanup_ctx.append(metrics_listen_ctx)
@@ -218,3 +171,101 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     return app
+
+
+# --------------------------------------------------------------------------- cleanup_ctx
+
+
+async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The shared client session and the supervisor: engines launched (or probed) on
+    start, drained and stopped on shutdown."""
+    cfg = app[CONFIG]
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+        auto_decompress=False,
+    )
+    app[SESSION] = session
+    supervisor = Supervisor(cfg=cfg.engines, pool=app[POOL], session=session,
+                            model_cache_dir=app[MODEL_CACHE_DIR])
+    app[SUPERVISOR] = supervisor
+    await supervisor.start()
+    try:
+        yield
+    finally:
+        await supervisor.stop(cfg.gateway.drain_grace_s)
+        await session.close()
+
+
+async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The request path: response cache and the director; every pool change wakes
+    the admission queues. Closes the queues, cache and store."""
+    cfg, pool, queues, store = app[CONFIG], app[POOL], app[QUEUES], app[STORE]
+    # loading the embedding model takes seconds: keep it off the event loop
+    cache = await asyncio.to_thread(open_cache, cfg.gateway.cache) \
+        if cfg.gateway.cache.enabled else None
+    app[DIRECTOR] = Director(
+        cfg=cfg, pool=pool, scheduler=app[SCHEDULER],
+        client=EngineClient(session=app[SESSION], timeouts=cfg.gateway.timeouts,
+                            max_event_bytes=cfg.gateway.max_event_bytes),
+        limiter=app[LIMITER], queues=queues,
+        detector=SaturationDetector.from_config(cfg.engines), cache=cache,
+        clock=app[CLOCK], spans=app[SPANS])
+
+    def kick() -> None:
+        for q in queues.values():
+            q.kick()
+
+    pool.listeners.append(kick)
+    try:
+        yield
+    finally:
+        pool.listeners.remove(kick)
+        for q in queues.values():
+            q.close()
+        if cache is not None:
+            await cache.close()
+        await store.close()
+
+
+async def kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
+    """With ``scheduler.prefix.source: events``, one KV-event subscriber per engine
+    that publishes, feeding this process's prefix index (every gateway process
+    follows the engines itself)."""
+    index = app[SCHEDULER].index
+    subscribers = KVEventSubscribers(index) if isinstance(index, EventPrefixIndex) else None
+    if subscribers is not None:
+        subscribers.follow(app[POOL].engines)
+    yield
+    if subscribers is not None:
+        await subscribers.stop()
+
+
+async def background_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The dashboard's stats sampler and, with a tenants file, its hot reloader."""
+    tasks = [asyncio.create_task(app[STATS].run())]
+    reloader = app[RELOADER]
+    if reloader is not None:
+        tasks.append(asyncio.create_task(reloader.run()))
+    yield
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def tracing_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Flushes and shuts down the span exporter on shutdown."""
+    yield
+    provider = app[TRACER_PROVIDER]
+    if provider is not None:
+        provider.shutdown()
+
+
+async def metrics_listen_ctx(app: web.Application) -> AsyncIterator[None]:
+    """``/metrics`` on its own listener (``observability.metrics_listen``)."""
+    host, _, port = (app[CONFIG].gateway.observability.metrics_listen or "").rpartition(":")
+    runner = web.AppRunner(metrics_app(app[METRICS]), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+    yield
+    await runner.cleanup()

@@ -47,10 +47,12 @@ Stop with Ctrl-C (drains requests and stops the engines).
 
 
 async def _serve(cfg: Config, host: str, port: int) -> None:
-    from gateway.app import SUPERVISOR, create_app
+    from gateway.app import create_app
+    from gateway.errors import GatewayRunner
+    from gateway.keys import SUPERVISOR
 
     app = create_app(cfg)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+    runner = GatewayRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=cfg.gateway.drain_grace_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -3,16 +3,15 @@ cache lookup → rate limit → admission (queue, degradation, shedding) → sch
 proxy (retrying on another engine only before the first byte) → finish.
 
 Everything a request acquires (rate-limit reservation, concurrency slot, engine lease
-and its promised KV blocks) is released in ``finally``, exactly once, whether it ends
-in success, error, timeout or client disconnect.
+and its promised KV blocks) is held by an ``async with`` and released exactly once,
+whether it ends in success, error, timeout or client disconnect. Engine choice and
+leases live in :mod:`gateway.placement`; this module orchestrates.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import time
-from dataclasses import dataclass, field
 
 from aiohttp import web
 from opentelemetry.trace import SpanKind
@@ -21,19 +20,21 @@ from cache.policy import request_cacheable
 from cache.replay import as_json, as_sse
 from cache.service import CacheHit, CacheRequest, ResponseCache
 from config.schema import Config, DegradationConfig, TenantQuota
-from engines.pool import Engine, EnginePool
+from engines.pool import EnginePool
 from engines.prompt import PromptBlocks, PromptInput, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
 from gateway.keys import RECORD, TENANT
 from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_request
+from gateway.placement import Need, Placement, Placer
 from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
 from gateway.record import RequestRecord
 from gateway.tracing import Spans, inject_traceparent
 from limits.admission import AdmissionQueue
-from limits.degrade import DEGRADED_HEADER, degrade
+from limits.degrade import DEGRADED_HEADER, ladder, shed
+from limits.interfaces import Clock
 from limits.outcome import Outcome, Rejected
-from limits.rate_limit import RateLimiter, Reservation
-from limits.saturation import SaturationDetector, kv_blocks
+from limits.rate_limit import RateLimiter, Reservation, Sizing, reservation_size
+from limits.saturation import SaturationDetector
 
 #: Request fields whose output a streamed answer, reassembled, would not keep
 #: (``StreamSummary.to_response`` rebuilds text only): such answers are not cached.
@@ -42,23 +43,10 @@ STREAM_LOSSY = frozenset({"logprobs", "top_logprobs", "tools", "functions"})
 #: Retry-After, s, when no engine serving the model is ready (engines restart with
 #: backoff starting at 1 s; a few seconds is the honest order of magnitude).
 NO_ENGINE_RETRY_S = 5
-
-
 #: Response header: prompt tokens the prefix index predicted cached on the chosen
 #: engine, per index (``events=N, approximate=M``); the replay benchmark compares it
 #: with the engine's ``usage.prompt_tokens_details.cached_tokens``.
 PREFIX_TOKENS_HEADER = "x-sluice-prefix-tokens"
-
-
-@dataclass
-class Placement:
-    """An engine lease taken for one request: ``blocks`` promised KV blocks;
-    ``prefix_tokens`` as :attr:`engines.scheduler.Decision.prefix_tokens`."""
-
-    engine: Engine
-    blocks: int
-    scores: dict[str, float]
-    prefix_tokens: dict[str, int] = field(default_factory=dict)
 
 
 def _request_timeout(request: web.Request) -> float | None:
@@ -82,32 +70,41 @@ def _cache_control(request: web.Request) -> tuple[bool, bool]:
 
 
 class Director:
-    """Runs requests through the pipeline; one per app.
+    """Runs requests through the pipeline; one per app. Keyword-only.
 
     Args:
+        cfg: the whole configuration.
+        pool: the engines.
+        scheduler: engine choice (routing state, plugins).
+        client: the upstream call.
+        limiter: per-tenant rate limits and concurrency.
         queues: one admission queue per served model.
+        detector: whether an engine has room (saturation).
         cache: the response cache, or None when disabled.
-        default_output_tokens: output tokens reserved for a request that sets no cap.
+        clock: monotonic time, s; the only clock the request path reads.
+        spans: tracing (disabled when None).
+        prompts: tokenizer and block hashes per model (built from ``cfg`` when None).
     """
 
-    def __init__(self, cfg: Config, pool: EnginePool, scheduler: Scheduler,
+    def __init__(self, *, cfg: Config, pool: EnginePool, scheduler: Scheduler,
                  client: EngineClient, limiter: RateLimiter,
                  queues: dict[str, AdmissionQueue[Placement]], detector: SaturationDetector,
-                 cache: ResponseCache | None, spans: Spans | None = None) -> None:
+                 cache: ResponseCache | None, clock: Clock, spans: Spans | None = None,
+                 prompts: PromptBlocks | None = None) -> None:
         self.cfg = cfg
         self.pool = pool
-        self.scheduler = scheduler
         self.client = client
         self.limiter = limiter
         self.queues = queues
-        self.detector = detector
         self.cache = cache
+        self.clock = clock
+        self.placer = Placer(pool=pool, scheduler=scheduler, detector=detector, clock=clock)
         #: each served model's degradation ladder (model_settings builds a pydantic
         #: object per call, too costly per request)
         self._degradation: dict[str, DegradationConfig] = {
             m: cfg.engines.model_settings(m).degradation for m in queues}
         self.spans = spans or Spans(None)
-        self.prompts = PromptBlocks(cfg.engines, pool)
+        self.prompts = prompts or PromptBlocks(cfg.engines, pool)
         #: models whose every engine accepts vLLM's ``cache_salt``
         self._salted = {m for m in cfg.engines.model_names()
                         if cfg.engines.scheduler.prefix.cache_salt
@@ -128,65 +125,54 @@ class Director:
 
     def _apply_tenant_caps(self, tenant: TenantQuota, req: InferenceRequest) -> None:
         if tenant.max_prompt_tokens is not None and req.prompt_tokens > tenant.max_prompt_tokens:
+            about = "" if req.prompt_exact else "about "
             raise Rejected(
                 Outcome.CONTEXT_LENGTH_EXCEEDED,
-                f"This request's prompt is about {req.prompt_tokens} tokens; your limit is "
+                f"This request's prompt is {about}{req.prompt_tokens} tokens; your limit is "
                 f"{tenant.max_prompt_tokens} tokens.",
-                param="messages" if req.endpoint == "chat" else "prompt",
+                param=req.prompt_param,
             )
         cap = tenant.max_output_tokens
         if cap is None:
             return
-        if req.max_output_tokens is None:
+        asked = req.max_output_tokens
+        if asked is None:
             req.set_output_cap(cap)
-        elif req.max_output_tokens > cap:
+        elif asked > cap:
             raise Rejected(
                 Outcome.INVALID_REQUEST,
-                f"'{req.output_field}' is {req.max_output_tokens}; your limit is {cap} tokens.",
+                f"'{req.output_field}' is {asked}; your limit is {cap} tokens.",
                 param=req.output_field,
             )
 
-    def _tokens(self, req: InferenceRequest) -> int:
-        """Tokens reserved for ``req``: prompt estimate + output cap (or default)."""
-        return req.prompt_tokens + (req.max_output_tokens or self.default_output_tokens)
+    def _kv_tokens(self, req: InferenceRequest) -> int:
+        """KV-cache tokens ``req`` may occupy: prompt + output cap (or the default) ×
+        sequences; sizes the queue ticket, the KV-block lease and the context check."""
+        return req.prompt_tokens + (req.max_output_tokens or self.default_output_tokens) \
+            * req.sequences
+
+    def _sizing(self, tenant: TenantQuota, req: InferenceRequest) -> Sizing:
+        return reservation_size(
+            tenant, prompt_tokens=req.prompt_tokens, output_cap=req.max_output_tokens,
+            sequences=req.sequences, default_output_tokens=self.default_output_tokens,
+            output_param=req.output_field, prompt_param=req.prompt_param)
+
+    async def _measure(self, req: InferenceRequest) -> None:
+        """Tokenize the prompt once (off the event loop for a real tokenizer): its
+        exact token count, where the model's tokenizer is known, and its blocks."""
+        salt = req.body.get("cache_salt") if req.model in self._salted else None
+        m = await self.prompts.measure(req.model, PromptInput.from_body(req.body), salt)
+        req.measured(m.tokens, m.blocks)
 
     # ------------------------------------------------------------------ placement
 
-    def _candidates(self, req: InferenceRequest, tenant: TenantQuota,
-                    exclude: frozenset[str] = frozenset()) -> list[Engine]:
-        now, tokens = time.monotonic(), self._tokens(req)
-        return [e for e in self.pool.for_model(req.model)
-                if e.routable and e.id not in exclude
-                and self.detector.admits(e, tenant.priority, tokens, now)]
-
-    async def _sched_request(self, request: web.Request, req: InferenceRequest,
-                             tenant: TenantQuota) -> SchedRequest:
-        """The scheduler's view of ``req``, prompt blocks computed once per request."""
-        salt = req.body.get("cache_salt") if req.model in self._salted else None
-        blocks = await self.prompts.blocks(req.model, PromptInput.from_body(req.body), salt)
-        return SchedRequest(model=req.model, tenant=tenant.name,
-                            prompt_tokens=req.prompt_tokens, priority=tenant.priority,
-                            blocks=blocks, block_size=self.prompts.block_size(req.model),
-                            session_id=request.headers.get("x-session-id") or None)
-
-    def _place(self, req: InferenceRequest, tenant: TenantQuota, sreq: SchedRequest,
-               exclude: frozenset[str] = frozenset()) -> Placement | None:
-        """Choose an engine with room and take its lease, or None (synchronous: the
-        admission queue calls it)."""
-        candidates = self._candidates(req, tenant, exclude)
-        if not candidates:
-            return None
-        now = time.monotonic()
-        decision = self.scheduler.pick(sreq, candidates, now)
-        if decision is None:
-            return None
-        blocks = kv_blocks(self._tokens(req), decision.engine.block_size)
-        self.pool.acquire(decision.engine, blocks)
-        self.scheduler.record(sreq, decision.engine, now)
-        return Placement(decision.engine, blocks, decision.scores, decision.prefix_tokens)
-
-    def _release(self, placement: Placement) -> None:
-        self.pool.release(placement.engine, placement.blocks)
+    def _need(self, request: web.Request, req: InferenceRequest,
+              tenant: TenantQuota) -> Need:
+        sched = SchedRequest(model=req.model, tenant=tenant.name,
+                             prompt_tokens=req.prompt_tokens, priority=tenant.priority,
+                             blocks=req.blocks, block_size=self.prompts.block_size(req.model),
+                             session_id=request.headers.get("x-session-id") or None)
+        return Need(sched, tenant.priority, self._kv_tokens(req))
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
         return Rejected(Outcome.NO_ENGINE,
@@ -199,8 +185,7 @@ class Director:
         whose queue is not empty or where no engine has room now): climb one rung at a
         time (cap output, then fallback model) while still saturated; past the last
         rung, shed the request if its predicted queue wait (tickets of its band and
-        more urgent ones / drain rate)
-        exceeds what it may wait.
+        more urgent ones / drain rate) exceeds what it may wait.
 
         Raises:
             Rejected: ``OVERLOADED`` (reason ``shed``) as described.
@@ -208,31 +193,30 @@ class Director:
         dcfg = self._degradation[req.model]
         if tenant.priority not in dcfg.sheddable:
             return
-        rungs = (dcfg.max_tokens_cap is not None) + (dcfg.fallback_model is not None)
-        if rungs == 0 and not len(self.queues[req.model]):
+        rungs = ladder(dcfg, tenant.priority)
+        if not rungs and not len(self.queues[req.model]):
             return  # nothing to climb, and an empty queue predicts no wait: not shed
-        original = dict(req.body)
 
         def saturated() -> bool:
-            return bool(len(self.queues[req.model])) or not self._candidates(req, tenant)
+            return bool(len(self.queues[req.model])) or not self.placer.candidates(
+                req.model, tenant.priority, self._kv_tokens(req))
 
-        for level in range(1, rungs + 1):
+        for rung in rungs:
             if not saturated():
                 return
-            d = degrade(original, priority=tenant.priority, config=dcfg, level=level,
-                        retry_after_s=self.queues[req.model].retry_after_s())
-            if d.body.get("model") not in self.queues:  # fallback nobody serves
-                break
-            rec.degraded = d.actions
-            req.apply_body(d.body)
+            if rung.fallback_model is not None and rung.fallback_model not in self.queues:
+                break  # a fallback nobody serves
+            action = req.apply(rung)
+            if action is not None:
+                rec.degraded = (*rec.degraded, action)
         queue = self.queues[req.model]
         if len(queue) and queue.predicted_wait_s(tenant.priority) > max_wait_s:
-            degrade(original, priority=tenant.priority, config=dcfg, level=rungs + 1,
-                    retry_after_s=queue.retry_after_s())
+            raise shed(req.model, tenant.priority, queue.retry_after_s())
 
     # ------------------------------------------------------------------ pipeline
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        started = self.clock.now()
         tenant = request[TENANT]
         rec = request[RECORD]
         rec.inference, rec.priority = True, tenant.priority
@@ -240,9 +224,10 @@ class Director:
             req = parse_request(endpoint, parse_json(await self._read_body(request)))
             rec.model, rec.stream = req.model, req.stream
             self._check_model(tenant, req)
-            self._apply_tenant_caps(tenant, req)
             if req.model in self._salted:  # before the cache key: lookup and store agree
                 req.body["cache_salt"] = cache_salt(tenant.namespace, req.body.get("cache_salt"))
+            await self._measure(req)
+            self._apply_tenant_caps(tenant, req)
             timeout_s = _request_timeout(request)
             creq = self._cache_request(request, tenant, req)
             if creq is not None and self.cache.eligible(creq):  # type: ignore[union-attr]
@@ -252,8 +237,13 @@ class Director:
                     span.set_attribute("sluice.cache.hit", hit.kind if hit else "miss")
                 if hit is not None:
                     async with await self._reserve(tenant, 0, rec, concurrency=False):
-                        return await self._answer_from_cache(request, req, hit, rec)
-            async with await self._reserve(tenant, self._tokens(req), rec) as reservation:
+                        return await self._answer_from_cache(request, req, hit, rec, started)
+            size = self._sizing(tenant, req)
+            if req.max_output_tokens is None and tenant.tokens_per_min is not None:
+                # the quota holds only if the engine stops where the reservation does
+                req.set_output_cap(size.output // req.sequences)
+            rec.reserved_output_tokens = size.output
+            async with await self._reserve(tenant, size.total, rec) as reservation:
                 try:
                     result = await self._admit_and_send(request, req, tenant, rec, timeout_s)
                 finally:
@@ -265,7 +255,6 @@ class Director:
         except asyncio.CancelledError:
             rec.outcome = Outcome.CLIENT_DISCONNECTED
             raise
-
     async def _read_body(self, request: web.Request) -> bytes:
         """The request body, which must arrive within ``timeouts.request_body_s``.
 
@@ -312,12 +301,13 @@ class Director:
         task.add_done_callback(self._background.discard)
 
     async def _answer_from_cache(self, request: web.Request, req: InferenceRequest,
-                                 hit: CacheHit, rec: RequestRecord) -> web.StreamResponse:
+                                 hit: CacheHit, rec: RequestRecord,
+                                 started: float) -> web.StreamResponse:
         rec.cache, rec.outcome = f"hit-{hit.kind}", Outcome.CACHE_HIT
         usage = hit.response.get("usage") or {}
         rec.prompt_tokens = usage.get("prompt_tokens", 0)
         rec.completion_tokens = usage.get("completion_tokens", 0)
-        rec.ttft_s = time.perf_counter() - rec.started
+        rec.ttft_s = self.clock.now() - started
         headers = {"x-request-id": rec.request_id, "x-sluice-cache": rec.cache}
         if not req.stream:
             return web.json_response(as_json(hit.response, req.endpoint, req.model),
@@ -336,70 +326,85 @@ class Director:
         if not ready:
             raise self._no_engine(req)
         capacity = [e.num_blocks * e.block_size for e in ready if e.num_blocks and e.block_size]
-        if capacity and len(capacity) == len(ready) and self._tokens(req) > max(capacity):
+        kv = self._kv_tokens(req)
+        if capacity and len(capacity) == len(ready) and kv > max(capacity):
             raise Rejected(Outcome.CONTEXT_LENGTH_EXCEEDED,
-                           f"This request needs about {self._tokens(req)} tokens of KV cache "
-                           f"(prompt + max output); the largest engine holds {max(capacity)}.",
-                           param="messages" if req.endpoint == "chat" else "prompt")
+                           f"This request needs about {kv} tokens of KV cache (prompt + max "
+                           f"output × sequences); the largest engine holds {max(capacity)}.",
+                           param=req.prompt_param)
         max_wait = min(tenant.max_queue_wait_s or self.cfg.gateway.queue.default_max_wait_s,
                        timeout_s or math.inf)
+        model = req.model
         self._degrade(req, tenant, rec, max_wait)
-        sreq = await self._sched_request(request, req, tenant)
+        if req.model != model:  # a fallback model: its own tokenizer and blocks
+            await self._measure(req)
+        need = self._need(request, req, tenant)
         queue = self.queues[req.model]
-        ticket = queue.ticket(tenant, self._tokens(req), request_id=rec.request_id,
+        ticket = queue.ticket(tenant, need.tokens, request_id=rec.request_id,
                               timeout_s=timeout_s)
         with self.spans("queue.wait") as span:
             span.set_attribute("sluice.priority", tenant.priority)
             span.set_attribute("sluice.queue_depth", len(queue))
-            waited_from = time.perf_counter()
+            waited_from = self.clock.now()
             try:
-                placement = await queue.admit(ticket, lambda _t: self._place(req, tenant, sreq),
-                                              self._release)
+                first = await queue.admit(ticket, lambda _t: self.placer.place(need),
+                                          Placement.release)
             finally:
-                rec.queue_s = time.perf_counter() - waited_from
-        tried: set[str] = set()
-        while True:
-            rec.engine, rec.scores = placement.engine.id, placement.scores
-            with self.spans("schedule") as span:
-                span.set_attribute("sluice.engine", placement.engine.id)
-                for name, score in placement.scores.items():
-                    span.set_attribute(f"sluice.score.{name}", score)
-            headers = {"x-request-id": rec.request_id, "x-sluice-engine": placement.engine.id,
-                       "x-sluice-queue-ms": f"{rec.queue_s * 1000:.1f}", "x-sluice-cache": rec.cache}
-            if rec.degraded:
-                headers[DEGRADED_HEADER] = ", ".join(rec.degraded)
-            if placement.prefix_tokens:
-                headers[PREFIX_TOKENS_HEADER] = ", ".join(
-                    f"{k}={v}" for k, v in placement.prefix_tokens.items())
-            try:
-                with self.spans("upstream", kind=SpanKind.CLIENT) as span:
-                    span.set_attribute("sluice.engine", placement.engine.id)
-                    upstream = {"x-request-id": rec.request_id}
-                    if self.spans.enabled:
-                        inject_traceparent(upstream)
-                    result = await self.client.send(placement.engine, req, request, headers,
-                                                    upstream)
-                placement.engine.upstream_failures = 0
-                rec.outcome, rec.ttft_s = result.outcome, result.ttft_s
-                rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens
-                rec.finish_reasons = result.finish_reasons
+                rec.queue_s = self.clock.now() - waited_from
+        failed: UpstreamFailed | None = None
+        for placement in self.placer.attempts(first, need, self.cfg.gateway.retry_attempts):
+            async with placement:
+                try:
+                    result = await self._send(request, req, rec, placement)
+                except UpstreamFailed as e:
+                    if e.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
+                        placement.engine.breaker.record(False)
+                    failed = e
+                    if not e.retryable:
+                        break
+                    continue
+                except asyncio.CancelledError:
+                    rec.prompt_tokens = req.prompt_tokens  # the engine did the prefill
+                    raise
+                placement.engine.breaker.record(True)
                 return result
-            except UpstreamFailed as failed:
-                if failed.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
-                    placement.engine.upstream_failures += 1  # the supervisor's probes read it
-                tried.add(placement.engine.id)
-                retry = failed.retryable and len(tried) < self.cfg.gateway.retry_attempts
-                nxt = self._place(req, tenant, sreq, frozenset(tried)) if retry else None
-                if nxt is None:
-                    raise self._final_error(req, failed) from None
-            except asyncio.CancelledError:
-                rec.prompt_tokens = req.prompt_tokens  # the engine did the prefill
-                raise
-            finally:
-                self._release(placement)
-            placement = nxt
+        assert failed is not None
+        raise self._final_error(req, failed)
+
+    async def _send(self, request: web.Request, req: InferenceRequest, rec: RequestRecord,
+                    placement: Placement) -> ProxyResult:
+        """One upstream attempt on ``placement``'s engine; fills ``rec`` on success.
+
+        Raises:
+            UpstreamFailed: as :meth:`EngineClient.send`.
+        """
+        rec.engine, rec.scores = placement.engine.id, placement.scores
+        with self.spans("schedule") as span:
+            span.set_attribute("sluice.engine", placement.engine.id)
+            for name, score in placement.scores.items():
+                span.set_attribute(f"sluice.score.{name}", score)
+        headers = {"x-request-id": rec.request_id, "x-sluice-engine": placement.engine.id,
+                   "x-sluice-queue-ms": f"{(rec.queue_s or 0.0) * 1000:.1f}",
+                   "x-sluice-cache": rec.cache}
+        if rec.degraded:
+            headers[DEGRADED_HEADER] = ", ".join(rec.degraded)
+        if placement.prefix_tokens:
+            headers[PREFIX_TOKENS_HEADER] = ", ".join(
+                f"{k}={v}" for k, v in placement.prefix_tokens.items())
+        with self.spans("upstream", kind=SpanKind.CLIENT) as span:
+            span.set_attribute("sluice.engine", placement.engine.id)
+            upstream = {"x-request-id": rec.request_id}
+            if self.spans.enabled:
+                inject_traceparent(upstream)
+            result = await self.client.send(placement.engine, req, request, headers, upstream)
+        rec.outcome, rec.ttft_s = result.outcome, result.ttft_s
+        rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens
+        rec.finish_reasons = result.finish_reasons
+        return result
 
     def _final_error(self, req: InferenceRequest, failed: UpstreamFailed) -> Rejected:
+        if failed.final is not None:
+            return failed.final
         if failed.outcome is Outcome.UPSTREAM_TIMEOUT:
             return Rejected(Outcome.UPSTREAM_TIMEOUT, "The engine did not answer in time.")
         if failed.outcome is Outcome.NO_ENGINE:

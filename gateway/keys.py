@@ -1,23 +1,58 @@
-"""Typed keys of the shared objects an app holds (created and closed in
-``cleanup_ctx``; no module-level singletons)."""
+"""Every typed key of the gateway: the shared objects an app holds (built by
+``create_app`` or in its ``cleanup_ctx`` functions; no module-level singletons) and
+the per-request values."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import aiohttp
 from aiohttp import web
+from opentelemetry.sdk.trace import TracerProvider
 
 from config.schema import Config, TenantQuota
 from engines.pool import EnginePool
+from engines.scheduler import Scheduler
+from engines.supervisor import Supervisor
 from gateway.auth import TenantDirectory
+from gateway.metrics import GatewayMetrics
 from gateway.record import Observer, RequestRecord
+from gateway.reload import TenantReloader
+from gateway.stats import StatsFeed
 from gateway.tracing import Spans
+from limits.admission import AdmissionQueue
+from limits.clock import MonotonicClock
+from limits.interfaces import CounterStore
+from limits.rate_limit import RateLimiter
+
+if TYPE_CHECKING:  # the director reads the per-request keys below
+    from gateway.director import Director
+    from gateway.placement import Placement
 
 CONFIG = web.AppKey("config", Config)
 TENANTS = web.AppKey("tenants", TenantDirectory)
 POOL = web.AppKey("pool", EnginePool)
-SESSION = web.AppKey("session", aiohttp.ClientSession)
+SCHEDULER = web.AppKey("scheduler", Scheduler)
+#: the admission queue of each served model
+QUEUES: web.AppKey[dict[str, AdmissionQueue[Placement]]] = web.AppKey("queues")
+STORE = web.AppKey("store", CounterStore)
+LIMITER = web.AppKey("limiter", RateLimiter)
+CLOCK = web.AppKey("clock", MonotonicClock)
+METRICS = web.AppKey("metrics", GatewayMetrics)
+STATS = web.AppKey("stats", StatsFeed)
 OBSERVERS = web.AppKey("observers", list[Observer])  # called with each finished record
 SPANS = web.AppKey("spans", Spans)
+#: the span exporter's provider, shut down with the app (None: tracing off)
+TRACER_PROVIDER = web.AppKey("tracer_provider", TracerProvider | None)
+#: where ``packaged:`` models are prepared (None: the default folder)
+MODEL_CACHE_DIR = web.AppKey("model_cache_dir", Path | None)
+#: None when no tenants file is watched
+RELOADER = web.AppKey("reloader", TenantReloader | None)
+# created once the app starts (in its cleanup_ctx)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+SUPERVISOR = web.AppKey("supervisor", Supervisor)
+DIRECTOR: web.AppKey[Director] = web.AppKey("director")
 
 # per-request keys
 REQUEST_ID = web.RequestKey("request_id", str)

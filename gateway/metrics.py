@@ -14,16 +14,20 @@ similar 10 ms – 2.5 s range, vllm/v1/metrics/loggers.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engines.breaker import BreakerState
 from engines.pool import EnginePool, EngineState
 from gateway.record import RequestRecord
+from limits.admission import AdmissionQueue
+from limits.interfaces import CounterStore
 from limits.outcome import Outcome
+from limits.rate_limit import RateLimiter
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 600)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
@@ -32,7 +36,7 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 #: Outcomes counted in ``sluice_rejected_total``: admission control said no (rate
 #: limited, shed, queue timeout, no engine, over the tenant's prompt limit). Bad keys
 #: and bad requests are not load and show only in ``sluice_requests_total``.
-REJECTIONS = {Outcome.RATE_LIMITED, Outcome.OVERLOADED, Outcome.QUEUE_TIMEOUT,
+REJECTIONS = {Outcome.RATE_LIMITED, Outcome.EXCEEDS_QUOTA, Outcome.OVERLOADED, Outcome.QUEUE_TIMEOUT,
               Outcome.NO_ENGINE, Outcome.CONTEXT_LENGTH_EXCEEDED}
 
 
@@ -69,8 +73,14 @@ class GatewayMetrics:
                                 ["tenant", "reason"], registry=r)
         self.degraded = Counter("sluice_degraded", "Degradation actions applied.",
                                 ["model", "action"], registry=r)
-        self.tokens = Counter("sluice_tokens", "Tokens processed.", ["tenant", "model", "kind"],
-                              registry=r)
+        self.tokens = Counter("sluice_tokens", "Tokens processed by engines.",
+                              ["tenant", "model", "kind"], registry=r)
+        self.cached_tokens = Counter("sluice_cached_tokens",
+                                     "Tokens answered from the response cache (replayed usage).",
+                                     ["tenant", "model", "kind"], registry=r)
+        self.overshoot = Counter("sluice_output_overshoot_tokens",
+                                 "Completion tokens generated beyond the output tokens reserved.",
+                                 ["tenant"], registry=r)
         self.cache = Counter("sluice_cache_lookups", "Response cache lookups.",
                              ["kind", "result"], registry=r)
         self.reloads = Counter("sluice_config_reloads", "Configuration reloads.", ["result"],
@@ -99,8 +109,11 @@ class GatewayMetrics:
             self.queue_wait.labels(model, rec.priority).observe(rec.queue_s)
         if rec.outcome not in (Outcome.OK, Outcome.CACHE_HIT, Outcome.CLIENT_DISCONNECTED):
             return
-        self.tokens.labels(rec.tenant, model, "prompt").inc(rec.prompt_tokens)
-        self.tokens.labels(rec.tenant, model, "completion").inc(rec.completion_tokens)
+        tokens = self.cached_tokens if rec.outcome is Outcome.CACHE_HIT else self.tokens
+        tokens.labels(rec.tenant, model, "prompt").inc(rec.prompt_tokens)
+        tokens.labels(rec.tenant, model, "completion").inc(rec.completion_tokens)
+        if rec.overshoot_tokens:
+            self.overshoot.labels(rec.tenant).inc(rec.overshoot_tokens)
         self.duration.labels(model, engine).observe(rec.duration_s)
         if rec.ttft_s is not None:
             self.ttft.labels(model, engine).observe(rec.ttft_s)
@@ -128,15 +141,16 @@ class FleetCollector(Collector):
 
     Args:
         pool: the engine pool.
-        queues: returns ``{model: queue}`` where each queue has ``depth() ->
-            {priority: n}`` (the admission queues; empty before start-up).
+        queues: the admission queues, ``{model: queue}``.
         metrics: for the per-engine prefix-match ratio.
-        failovers: returns the counter store's Redis failover count (0 without Redis).
+        store: the rate-limit counter store (its ``failovers`` count).
+        limiter: the rate limiter (its open reservations and held concurrency slots).
     """
 
-    def __init__(self, pool: EnginePool, queues: Callable[[], Mapping[str, Any]],
-                 metrics: GatewayMetrics, failovers: Callable[[], int]) -> None:
-        self.pool, self.queues, self.metrics, self.failovers = pool, queues, metrics, failovers
+    def __init__(self, *, pool: EnginePool, queues: Mapping[str, AdmissionQueue[Any]],
+                 metrics: GatewayMetrics, store: CounterStore, limiter: RateLimiter) -> None:
+        self.pool, self.queues, self.metrics, self.store = pool, queues, metrics, store
+        self.limiter = limiter
 
     def collect(self) -> Iterator[Any]:
         up = GaugeMetricFamily("sluice_engine_up", "1 if the engine is ready (routable).",
@@ -152,6 +166,13 @@ class FleetCollector(Collector):
                                       labels=["engine", "model"])
         restarts = CounterMetricFamily("sluice_engine_restarts", "Engine restarts.",
                                        labels=["engine", "model"])
+        promised = GaugeMetricFamily("sluice_engine_promised_kv_blocks",
+                                     "KV blocks promised to in-flight requests.",
+                                     labels=["engine", "model"])
+        breaker = GaugeMetricFamily(
+            "sluice_engine_breaker_open",
+            "1 while the engine's circuit breaker is open or half-open (failed requests).",
+            labels=["engine", "model"])
         prefix = GaugeMetricFamily("sluice_engine_prefix_match_ratio",
                                    "Mean prefix-affinity score of routed requests, 0-1.",
                                    labels=["engine", "model"])
@@ -164,7 +185,9 @@ class FleetCollector(Collector):
                 running.add_metric(labels, e.metrics.num_running)
                 waiting.add_metric(labels, e.metrics.num_waiting)
             in_flight.add_metric(labels, e.in_flight)
+            promised.add_metric(labels, e.promised_blocks)
             restarts.add_metric(labels, e.restarts)
+            breaker.add_metric(labels, 0.0 if e.breaker.state is BreakerState.CLOSED else 1.0)
             ratio = self.metrics.prefix_match_ratio(e.id)
             if ratio is not None:
                 prefix.add_metric(labels, ratio)
@@ -172,12 +195,19 @@ class FleetCollector(Collector):
                                   labels=["model", "priority"])
         queued = GaugeMetricFamily("sluice_queue_tokens", "Estimated tokens queued.",
                                    labels=["model"])
-        for model, q in self.queues().items():
+        for model, q in self.queues.items():
             for priority, n in q.depth().items():
                 depth.add_metric([model, priority], n)
             queued.add_metric([model], q.tokens_queued)
         failovers = CounterMetricFamily("sluice_limits_store_failovers",
                                         "Times the shared counter store became unreachable.")
-        failovers.add_metric([], self.failovers())
-        yield from (up, kv, running, waiting, in_flight, restarts, prefix, depth, queued,
-                    failovers)
+        failovers.add_metric([], self.store.failovers)
+        reservations = GaugeMetricFamily(
+            "sluice_ratelimit_reservations_open",
+            "Rate-limit reservations this process took and has not settled and released.")
+        slots = GaugeMetricFamily("sluice_ratelimit_concurrency_slots_held",
+                                  "Tenant concurrency slots this process holds.")
+        reservations.add_metric([], self.limiter.open_reservations)
+        slots.add_metric([], self.limiter.held_slots)
+        yield from (up, kv, running, waiting, in_flight, promised, restarts, breaker, prefix,
+                    depth, queued, failovers, reservations, slots)

@@ -9,11 +9,13 @@ body exactly as the client sent it.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from limits.degrade import Rung
 from limits.outcome import Outcome, Rejected
 
 Endpoint = Literal["chat", "completions"]
@@ -42,6 +44,7 @@ class _Common(_Open):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = Field(None, ge=1, le=128)
+    best_of: int | None = Field(None, ge=1, le=128)
 
 
 class ChatBody(_Common):
@@ -97,6 +100,50 @@ def _text_of(content: Any) -> str:
     return ""
 
 
+def output_cap(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[str, int | None]:
+    """The output-length field the engine reads for ``endpoint`` and its value (tokens
+    per generated sequence, None when unset) — the one rule every output cap follows.
+
+    As vLLM applies it (``vllm/entrypoints/openai``): chat uses
+    ``max_completion_tokens`` when it is set (not null), else ``max_tokens``
+    (``ChatCompletionRequest.build_tok_params`` / ``serving.py``); completions read
+    ``max_tokens`` only and ignore ``max_completion_tokens``
+    (``CompletionRequest.to_sampling_params``).
+    """
+    if endpoint == "chat" and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens", body["max_completion_tokens"]
+    return "max_tokens", body.get("max_tokens")
+
+
+def set_output_cap(endpoint: Endpoint, body: dict[str, Any], tokens: int) -> str:
+    """Cap ``body``'s output at ``tokens`` on the field the engine reads
+    (:func:`output_cap`), dropping the other output field so the upstream never sees
+    contradictory values. Returns the field written."""
+    field, _ = output_cap(endpoint, body)
+    body[field] = tokens
+    body.pop("max_tokens" if field == "max_completion_tokens" else "max_completion_tokens", None)
+    return field
+
+
+def prompt_count(endpoint: Endpoint, body: Mapping[str, Any]) -> int:
+    """Prompts in one request: 1 for chat and for a single completions prompt; the
+    list's length for a completions ``prompt`` that is a list of strings or of
+    token-id lists (vLLM answers each as its own request)."""
+    prompt = body.get("prompt")
+    if endpoint == "completions" and isinstance(prompt, list) and prompt \
+            and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
+def sequences(endpoint: Endpoint, body: Mapping[str, Any]) -> int:
+    """Sequences the engine generates for ``body``: per prompt ``max(n, best_of)``
+    (``best_of`` candidates are all generated, ``n`` returned), times
+    :func:`prompt_count`."""
+    per_prompt = max(body.get("n") or 1, body.get("best_of") or 1)
+    return per_prompt * prompt_count(endpoint, body)
+
+
 @dataclass
 class InferenceRequest:
     """A validated request.
@@ -109,8 +156,11 @@ class InferenceRequest:
         stream: the client asked for SSE.
         client_usage: the client asked for ``stream_options.include_usage``.
         prompt_text: the prompt as plain text (messages joined), for estimates.
-        prompt_tokens: estimated prompt tokens.
-        max_output_tokens: the effective output cap in tokens, or None.
+        prompt_tokens: prompt tokens of all prompts: the characters/4 estimate at
+            parse time, replaced by the exact count when the model's tokenizer is
+            known (:meth:`measured`).
+        prompt_exact: ``prompt_tokens`` comes from the engine's tokenizer.
+        blocks: chained KV-block hashes of the prompt (prefix routing), or ().
     """
 
     endpoint: Endpoint
@@ -120,26 +170,56 @@ class InferenceRequest:
     client_usage: bool
     prompt_text: str
     prompt_tokens: int
-    max_output_tokens: int | None
+    prompt_exact: bool = False
+    blocks: tuple[int, ...] = ()
 
     @property
     def output_field(self) -> str:
-        """The output-length field the client used (``max_completion_tokens`` wins,
-        as in OpenAI's and vLLM's APIs); ``max_tokens`` when neither was sent."""
-        return "max_completion_tokens" if "max_completion_tokens" in self.body else "max_tokens"
+        """The output-length field the engine reads (:func:`output_cap`)."""
+        return output_cap(self.endpoint, self.body)[0]
 
-    def apply_body(self, body: dict[str, Any]) -> None:
-        """Replace the forwarded body (degradation: output cap, fallback model)."""
-        self.body = body
-        self.model = body["model"]
-        self.max_output_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    @property
+    def max_output_tokens(self) -> int | None:
+        """The output cap per sequence the engine applies, tokens, or None."""
+        return output_cap(self.endpoint, self.body)[1]
 
-    def set_output_cap(self, tokens: int) -> None:
-        """Set the output cap on the field the client used, never on both."""
-        field = self.output_field
-        self.body[field] = tokens
-        self.body.pop("max_tokens" if field == "max_completion_tokens" else "max_completion_tokens", None)
-        self.max_output_tokens = tokens
+    @property
+    def sequences(self) -> int:
+        """Sequences generated (:func:`sequences`)."""
+        return sequences(self.endpoint, self.body)
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.endpoint == "chat" else "prompt"
+
+    def measured(self, tokens: int | None, blocks: tuple[int, ...]) -> None:
+        """Record the tokenizer's view of the prompt: its exact token count (None:
+        no tokenizer, the estimate stays) and its block hashes."""
+        if tokens is not None:
+            self.prompt_tokens, self.prompt_exact = tokens, True
+        self.blocks = blocks
+
+    def set_model(self, model: str) -> None:
+        """Route to ``model`` (degradation's fallback)."""
+        self.body["model"] = self.model = model
+
+    def set_output_cap(self, tokens: int) -> str:
+        """:func:`set_output_cap` on this request's body; returns the field written."""
+        return set_output_cap(self.endpoint, self.body, tokens)
+
+    def apply(self, rung: Rung) -> str | None:
+        """Apply one degradation rung; returns the action (``max_tokens=256``,
+        ``model=small``) or None when it changes nothing (the request's own cap is
+        already as low, or it already targets the fallback model)."""
+        if rung.cap_output is not None:
+            asked = self.max_output_tokens
+            if asked is not None and asked <= rung.cap_output:
+                return None
+            return f"{self.set_output_cap(rung.cap_output)}={rung.cap_output}"
+        if rung.fallback_model is not None and rung.fallback_model != self.model:
+            self.set_model(rung.fallback_model)
+            return f"model={rung.fallback_model}"
+        return None
 
 
 def estimate_tokens(text: str) -> int:
@@ -178,9 +258,8 @@ def parse_request(endpoint: Endpoint, body: dict[str, Any]) -> InferenceRequest:
             text, tokens = "", sum(len(p) for p in prompt)  # type: ignore[arg-type]
         else:
             text, tokens = "", len(prompt)
-    cap = parsed.max_completion_tokens or parsed.max_tokens
     usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     return InferenceRequest(
         endpoint=endpoint, body=dict(body), model=parsed.model, stream=parsed.stream,
-        client_usage=usage, prompt_text=text, prompt_tokens=tokens, max_output_tokens=cap,
+        client_usage=usage, prompt_text=text, prompt_tokens=tokens,
     )

@@ -6,15 +6,25 @@ once, without decoding or re-encoding. The gateway always asks the engine for us
 (``stream_options.include_usage``) and drops the usage-only chunk when the client
 did not ask for it.
 
-Timeouts (``config.schema.Timeouts``): connect; first token (the first event of a
-stream, or the whole answer when not streaming, bounded by ``non_stream_s``); idle
-(the gap between two reads of a stream); and an optional total.
+Timeouts (``config.schema.Timeouts``): connect; first token (the first generated
+output of a stream, or the whole answer when not streaming, bounded by
+``non_stream_s``); idle (the gap between two complete events of a stream: bytes that
+do not complete an event are no progress); and an optional total. One event may be at
+most ``max_event_bytes`` long; a longer one ends the stream.
+
+An engine's HTTP error status is mapped by whose fault it is (:func:`engine_error`):
+the client's request (400/413/422, passed on as 400/413 in OpenAI shape), an
+overloaded engine (429/503: another engine is tried, else 429/503 with the engine's
+``Retry-After``), or the gateway's own (any other status: another engine is tried,
+else 502).
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,8 +38,10 @@ from config.schema import Timeouts
 from engines.pool import Engine
 from gateway.errors import sse_error_event
 from gateway.openai_api import PATHS, InferenceRequest
-from gateway.sse import EventFramer, StreamSummary
+from gateway.sse import EventFramer, EventTooLarge, StreamSummary
 from limits.outcome import Outcome, Rejected
+
+log = logging.getLogger("sluice.proxy")
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -48,13 +60,23 @@ class _RelayResponse(web.StreamResponse):
 
 class UpstreamFailed(Exception):
     """The engine could not answer before any byte reached the client, so another
-    engine may be tried (``retryable``) or the error is final."""
+    engine may be tried (``retryable``) or the error is final.
 
-    def __init__(self, outcome: Outcome, message: str, *, retryable: bool) -> None:
+    Attributes:
+        outcome: what happened (``UPSTREAM_ERROR``, ``UPSTREAM_TIMEOUT``,
+            ``NO_ENGINE``, or ``RATE_LIMITED`` / ``OVERLOADED`` for an engine's 429/503).
+        message: for logs (names the engine).
+        final: the error for the client when no other engine answers, or None for
+            the caller's default for ``outcome``.
+    """
+
+    def __init__(self, outcome: Outcome, message: str, *, retryable: bool,
+                 final: Rejected | None = None) -> None:
         super().__init__(message)
         self.outcome = outcome
         self.message = message
         self.retryable = retryable
+        self.final = final
 
 
 @dataclass
@@ -88,28 +110,88 @@ def _usage(usage: Mapping[str, Any] | None, prompt_est: int, streamed: int) -> t
     return prompt_est, streamed
 
 
-def _upstream_rejection(status: int, raw: bytes) -> Rejected:
-    """Map an engine's 4xx answer to our error (the engine's message, our codes)."""
+#: Engine statuses that blame the client's request (vLLM answers 400 for a prompt
+#: past the context length or a bad sampling parameter).
+CLIENT_FAULT = frozenset({400, 413, 422})
+#: Engine statuses that mean "busy, come back later".
+ENGINE_BUSY = {429: Outcome.RATE_LIMITED, 503: Outcome.OVERLOADED}
+
+
+def _engine_message(raw: bytes) -> str | None:
+    """The message of an engine's error body, if any: ``error.message`` (OpenAI,
+    vLLM), a top-level ``message`` (older vLLM) or ``detail`` (FastAPI)."""
     try:
-        err = json.loads(raw).get("error") or {}
-        message = err.get("message") if isinstance(err, dict) else str(err)
-    except (ValueError, AttributeError):
-        message = None
-    message = message or f"The engine rejected the request (HTTP {status})."
-    lowered = message.lower()
-    if "context length" in lowered or "maximum context" in lowered or "too long" in lowered:
-        return Rejected(Outcome.CONTEXT_LENGTH_EXCEEDED, message, param="messages")
-    if status == 413:
-        return Rejected(Outcome.BODY_TOO_LARGE, message)
-    return Rejected(Outcome.INVALID_REQUEST, message)
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    err = body.get("error") or body.get("message") or body.get("detail")
+    if isinstance(err, dict):
+        err = err.get("message")
+    return str(err) if err else None
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header: delay-seconds or an HTTP-date
+    (RFC 9110 §10.2.3); None when absent or unparsable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def engine_error(engine_id: str, status: int, headers: Mapping[str, str],
+                 raw: bytes) -> Rejected | UpstreamFailed:
+    """Map an engine's HTTP error answer (status >= 400) by whose fault it is.
+
+    Returns:
+        a :class:`Rejected` for the client's fault (400 ``invalid_request`` or
+        ``context_length_exceeded``, 413), with the engine's message; otherwise a
+        retryable :class:`UpstreamFailed` whose ``final`` error is 429/503 with the
+        engine's ``Retry-After`` for an overloaded engine (429/503), the caller's 502
+        for another 5xx, and a 502 for any other 4xx (the engine rejected the
+        gateway's own credentials (401/403), does not serve the model (404), or
+        refused the request the gateway built: a gateway fault, logged).
+    """
+    message = _engine_message(raw)
+    if status in CLIENT_FAULT:
+        text = message or f"The engine rejected the request (HTTP {status})."
+        lowered = text.lower()
+        if "context length" in lowered or "maximum context" in lowered or "too long" in lowered:
+            return Rejected(Outcome.CONTEXT_LENGTH_EXCEEDED, text, param="messages")
+        if status == 413:
+            return Rejected(Outcome.BODY_TOO_LARGE, text)
+        return Rejected(Outcome.INVALID_REQUEST, text)
+    detail = f"engine {engine_id} answered HTTP {status}" + (f": {message}" if message else "")
+    if status in ENGINE_BUSY:
+        outcome = ENGINE_BUSY[status]
+        return UpstreamFailed(outcome, detail, retryable=True, final=Rejected(
+            outcome, "The model's engines are overloaded; retry after the Retry-After delay.",
+            retry_after_s=retry_after_s(headers.get("Retry-After")), reason="engine_overloaded"))
+    if status >= 500:
+        return UpstreamFailed(Outcome.UPSTREAM_ERROR, detail, retryable=True)
+    log.error("%s (a gateway fault: check the engine's URL, model name and credentials)", detail)
+    return UpstreamFailed(Outcome.UPSTREAM_ERROR, detail, retryable=True, final=Rejected(
+        Outcome.UPSTREAM_ERROR,
+        f"The engine refused the gateway's request (HTTP {status}); this is a fault of the "
+        "gateway's configuration, not of your request."))
 
 
 class EngineClient:
     """Sends :class:`InferenceRequest` s to engines and relays the answers."""
 
-    def __init__(self, session: aiohttp.ClientSession, timeouts: Timeouts) -> None:
+    def __init__(self, session: aiohttp.ClientSession, timeouts: Timeouts,
+                 max_event_bytes: int) -> None:
         self.session = session
         self.timeouts = timeouts
+        self.max_event_bytes = max_event_bytes
         self._client_timeout = aiohttp.ClientTimeout(
             total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s
         )
@@ -140,11 +222,7 @@ class EngineClient:
             except aiohttp.ClientError:
                 raw = b""
             resp.release()
-            if resp.status >= 500:
-                raise UpstreamFailed(Outcome.UPSTREAM_ERROR,
-                                     f"engine {engine.id} answered HTTP {resp.status}",
-                                     retryable=True)
-            raise _upstream_rejection(resp.status, raw)
+            raise engine_error(engine.id, resp.status, resp.headers, raw)
         return resp
 
     async def send(self, engine: Engine, req: InferenceRequest, request: web.Request,
@@ -154,7 +232,7 @@ class EngineClient:
 
         Raises:
             UpstreamFailed: nothing was sent to the client yet (retry is safe).
-            Rejected: the engine rejected the request (4xx), mapped to our codes.
+            Rejected: the engine rejected the client's request (see :func:`engine_error`).
             asyncio.CancelledError: the client went away; the upstream request is
                 closed first, which makes vLLM abort it.
         """
@@ -202,23 +280,22 @@ class EngineClient:
         t = self.timeouts
         loop = asyncio.get_running_loop()
         end_at = loop.time() + t.total_s if t.total_s else float("inf")
-        framer = EventFramer()
+        framer = EventFramer(self.max_event_bytes)
         summary = StreamSummary(chat=req.endpoint == "chat")
         ttft: float | None = None
         out = _RelayResponse(status=200, headers={**SSE_HEADERS, **headers})
         outcome = Outcome.OK
+        message: str | None = None
         prepared = False
         try:
-            async with asyncio.timeout(None) as deadline:
-                first_wait = t.first_token_s
+            async with asyncio.timeout_at(min(loop.time() + t.first_token_s, end_at)) as deadline:
                 while True:
-                    deadline.reschedule(min(loop.time() + (first_wait or t.idle_s), end_at))
                     chunk = await resp.content.readany()
                     if not chunk:
                         break
                     events = framer.feed(chunk)
                     if not events:
-                        continue
+                        continue  # an unfinished event is no progress: the deadline stands
                     keep = []
                     for ev in events:
                         obj = summary.observe(ev)
@@ -229,7 +306,8 @@ class EngineClient:
                     if ttft is None and (summary.content_chunks or summary.finish_reasons):
                         ttft = time.perf_counter() - start
                         trace.get_current_span().add_event("first_token")
-                        first_wait = None
+                    deadline.reschedule(min(
+                        loop.time() + (t.first_token_s if ttft is None else t.idle_s), end_at))
                     if not prepared:
                         await out.prepare(request)
                         prepared = True
@@ -239,6 +317,11 @@ class EngineClient:
                         break
         except TimeoutError:
             outcome = Outcome.UPSTREAM_TIMEOUT
+        except EventTooLarge:
+            outcome = Outcome.UPSTREAM_ERROR
+            message = (f"The engine sent a stream event longer than {self.max_event_bytes} bytes "
+                       "(gateway max_event_bytes).")
+            log.warning("engine %s: %s", engine.id, message)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
             if isinstance(e, ConnectionResetError) or (
                     request.transport is None or request.transport.is_closing()):
@@ -252,11 +335,14 @@ class EngineClient:
         if outcome is Outcome.OK and summary.error:
             outcome = Outcome.UPSTREAM_ERROR
         if not prepared and outcome in (Outcome.UPSTREAM_ERROR, Outcome.UPSTREAM_TIMEOUT):
+            if message is not None:  # the same request would likely grow the same event
+                raise UpstreamFailed(outcome, f"engine {engine.id}: {message}", retryable=False,
+                                     final=Rejected(outcome, message))
             raise UpstreamFailed(outcome, f"engine {engine.id} failed before the first token",
                                  retryable=outcome is Outcome.UPSTREAM_ERROR)
         if outcome in (Outcome.UPSTREAM_ERROR, Outcome.UPSTREAM_TIMEOUT) and not summary.error:
-            message = ("The engine stopped responding mid-stream." if outcome is
-                       Outcome.UPSTREAM_TIMEOUT else "The engine failed mid-stream.")
+            message = message or ("The engine stopped responding mid-stream." if outcome is
+                                  Outcome.UPSTREAM_TIMEOUT else "The engine failed mid-stream.")
             try:
                 await out.write(sse_error_event(outcome, message))
             except ConnectionResetError:

@@ -19,7 +19,9 @@ class RequestRecord:
     """Times in seconds (``started`` is ``time.perf_counter()``); ``cache`` is
     ``hit-exact``, ``hit-semantic``, ``miss`` or ``bypass``; ``degraded`` lists the
     degradation actions applied (``max_tokens=256``, ``model=small``); ``reason`` is
-    the finer cause of a rejection (``requests_per_min``, ``queue_full``…)."""
+    the finer cause of a rejection (``requests_per_min``, ``queue_full``…);
+    ``reserved_output_tokens`` is the output part of the tokens/min reservation
+    (tokens; None when nothing was reserved, e.g. a cache hit)."""
 
     request_id: str
     path: str = ""
@@ -33,6 +35,7 @@ class RequestRecord:
     reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reserved_output_tokens: int | None = None
     queue_s: float | None = None
     ttft_s: float | None = None
     cache: str = "bypass"
@@ -42,6 +45,14 @@ class RequestRecord:
     finish_reasons: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     duration_s: float = 0.0
+
+    @property
+    def overshoot_tokens(self) -> int:
+        """Completion tokens beyond the output tokens reserved (0 when within or when
+        nothing was reserved)."""
+        if self.reserved_output_tokens is None:
+            return 0
+        return max(0, self.completion_tokens - self.reserved_output_tokens)
 
     @property
     def tpot_s(self) -> float | None:

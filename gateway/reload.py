@@ -1,7 +1,14 @@
 """Reload ``tenants.yaml`` without a restart: on SIGHUP and when the file changes.
 
-A reload validates the whole file first; a bad file keeps the running tenants, logs
-the error and is recorded as ``result="error"``. Requests in flight keep the
+The watch is on the file's directory, not on the file: editors and ``mv`` replace the
+file with a new one, and a Kubernetes ConfigMap volume swaps a ``..data`` symlink, so
+a watch on the old file would see the first replacement and nothing after it. Any
+change in the directory makes the reloader read what the name resolves to now; it
+reloads when that path or the content's SHA-256 differs from the last one read.
+
+A reload validates the whole file first; a bad file (including an empty one, as seen
+while a file is being rewritten) keeps the running tenants, logs the error and is
+recorded as ``result="error"``. Requests in flight keep the
 :class:`~config.schema.TenantQuota` they were admitted with; new requests see the new
 one. Settings in ``gateway.yaml`` and ``engines.yaml`` (ports, engines, stores) need
 a restart.
@@ -11,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import signal
 import time
@@ -51,9 +59,20 @@ class TenantReloader:
         self.tenants = tenants
         self.on_result = on_result
         self.history: deque[ReloadEvent] = deque(maxlen=20)
+        self._seen = self._version()
+
+    def _version(self) -> tuple[str, str] | None:
+        """(the path the name resolves to, SHA-256 hex of its bytes), or None when the
+        file cannot be read."""
+        try:
+            resolved = self.path.resolve()
+            return str(resolved), hashlib.sha256(resolved.read_bytes()).hexdigest()
+        except OSError:
+            return None
 
     def reload(self) -> bool:
         """Load and swap; returns whether the new file took effect."""
+        self._seen = self._version()
         try:
             cfg = load_file("tenants", self.path)
             assert isinstance(cfg, TenantsConfig)
@@ -72,13 +91,16 @@ class TenantReloader:
             self.on_result(result)
 
     async def run(self) -> None:
-        """Reload on SIGHUP and on changes to the file, until cancelled."""
+        """Reload on SIGHUP and on changes to the file (see the module docstring),
+        until cancelled."""
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
-            async for _ in awatch(self.path, debounce=200, step=50):
-                self.reload()
+            async for _ in awatch(self.path.parent, watch_filter=None, recursive=False,
+                                  debounce=200, step=50):
+                if self._version() != self._seen:
+                    self.reload()
         finally:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(signal.SIGHUP)

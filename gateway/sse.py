@@ -3,7 +3,9 @@
 
 :class:`EventFramer` cuts a byte stream into whole events without decoding it (a
 multi-byte UTF-8 character split between two network reads stays intact, because
-the separator ``\\n\\n`` never occurs inside one). :class:`StreamSummary` reads each
+the separator ``\\n\\n`` never occurs inside one) and bounds the size of one event
+(an engine that never ends an event must not grow the gateway's memory).
+:class:`StreamSummary` reads each
 event's JSON for what the gateway must know: usage, finish reasons, the number of
 content chunks and the text (to cache a finished answer).
 """
@@ -17,11 +19,21 @@ from typing import Any
 DONE = b"data: [DONE]"
 
 
+class EventTooLarge(Exception):
+    """An event grew past the framer's ``max_event_bytes`` without ending."""
+
+
 class EventFramer:
     """Splits bytes into complete SSE events (each returned with its terminating
-    blank line). Only the unfinished tail is held back."""
+    blank line). Only the unfinished tail is held back, at most ``max_event_bytes``.
 
-    def __init__(self) -> None:
+    Raises (from :meth:`feed`):
+        EventTooLarge: an event (complete or not) is longer than ``max_event_bytes``
+            bytes; the held tail is dropped.
+    """
+
+    def __init__(self, max_event_bytes: int) -> None:
+        self.max_event_bytes = max_event_bytes
         self._tail = b""
 
     def feed(self, data: bytes) -> list[bytes]:
@@ -29,11 +41,14 @@ class EventFramer:
         if b"\r\n" in buf:
             buf = buf.replace(b"\r\n", b"\n")
         end = buf.rfind(b"\n\n")
-        if end < 0:
-            self._tail = buf
-            return []
-        self._tail = buf[end + 2 :]
-        return [e + b"\n\n" for e in buf[:end].split(b"\n\n") if e]
+        tail = buf[end + 2 :] if end >= 0 else buf
+        events = [e + b"\n\n" for e in buf[:end].split(b"\n\n") if e] if end >= 0 else []
+        if len(tail) > self.max_event_bytes or (
+                end > self.max_event_bytes and any(len(e) > self.max_event_bytes for e in events)):
+            self._tail = b""
+            raise EventTooLarge(f"an event is longer than {self.max_event_bytes} bytes")
+        self._tail = tail
+        return events
 
     @property
     def pending(self) -> bytes:

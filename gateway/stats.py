@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prometheus_client import Counter, Histogram
@@ -23,6 +23,7 @@ from config.schema import PRIORITIES
 from engines.pool import EnginePool
 from gateway.metrics import GatewayMetrics
 from gateway.reload import ReloadEvent
+from limits.admission import AdmissionQueue
 
 ADMITTED = {"ok", "cache_hit"}
 
@@ -74,13 +75,14 @@ class StatsFeed:
     Args:
         metrics: the app's metrics.
         pool: the engine pool.
-        queues: returns ``{model: AdmissionQueue}``.
-        reloads: returns recent :class:`~gateway.reload.ReloadEvent` s.
+        queues: the admission queues, ``{model: AdmissionQueue}``.
+        reloads: the recent :class:`~gateway.reload.ReloadEvent` s, a live collection
+            (the reloader's ``history``; empty when no tenants file is watched).
     """
 
-    def __init__(self, metrics: GatewayMetrics, pool: EnginePool,
-                 queues: Callable[[], Mapping[str, Any]],
-                 reloads: Callable[[], Iterable[ReloadEvent]], *, interval_s: float = 1.0,
+    def __init__(self, *, metrics: GatewayMetrics, pool: EnginePool,
+                 queues: Mapping[str, AdmissionQueue[Any]],
+                 reloads: Iterable[ReloadEvent], interval_s: float = 1.0,
                  samples: int = 300, window_s: float = 60.0) -> None:
         self.metrics, self.pool, self.queues, self.reloads = metrics, pool, queues, reloads
         self.interval_s = interval_s
@@ -102,7 +104,7 @@ class StatsFeed:
     def sample(self) -> None:
         """Take one reading (the sampler task calls this every ``interval_s``)."""
         depth = dict.fromkeys(PRIORITIES, 0)
-        for q in self.queues().values():
+        for q in self.queues.values():
             for p, n in q.depth().items():
                 depth[p] += n
         admitted, rejected = self._totals()
@@ -166,5 +168,5 @@ class StatsFeed:
             "cache": {"lookups": int(lookups), "hits": int(hits),
                       "hit_rate": round(hits / lookups, 4) if lookups else None},
             "reloads": [{"at": r.at, "path": r.path, "result": r.result, "error": r.error}
-                        for r in self.reloads()],
+                        for r in self.reloads],
         }

@@ -62,6 +62,10 @@ class CounterStore(Protocol):
     ``open_store`` returns handles outages itself (fail open or closed).
     """
 
+    #: Times the store's backing service went from reachable to unreachable (0 for a
+    #: store without one); exported as ``sluice_limits_store_failovers``.
+    failovers: int
+
     async def take(self, buckets: Sequence[Bucket]) -> TakeResult:
         """All-or-nothing GCRA take: charge every bucket its ``cost`` only if each
         has room now; otherwise charge none."""

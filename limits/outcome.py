@@ -26,6 +26,7 @@ class Outcome(Enum):
     BODY_TOO_LARGE = "body_too_large"
     REQUEST_TIMEOUT = "request_timeout"
     RATE_LIMITED = "rate_limited"
+    EXCEEDS_QUOTA = "exceeds_quota"
     OVERLOADED = "overloaded"
     QUEUE_TIMEOUT = "queue_timeout"
     NO_ENGINE = "no_engine"
@@ -65,6 +66,9 @@ _HTTP: dict[Outcome, tuple[int, str | None, str | None]] = {
     Outcome.BODY_TOO_LARGE: (413, "invalid_request_error", "request_too_large"),
     Outcome.REQUEST_TIMEOUT: (408, "invalid_request_error", "request_timeout"),
     Outcome.RATE_LIMITED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    # a request larger than its tenant's whole tokens/min budget: retrying cannot help,
+    # so no 429 and no Retry-After
+    Outcome.EXCEEDS_QUOTA: (400, "invalid_request_error", "request_exceeds_quota"),
     Outcome.OVERLOADED: (503, "server_error", "overloaded"),
     Outcome.QUEUE_TIMEOUT: (503, "server_error", "queue_timeout"),
     Outcome.NO_ENGINE: (503, "server_error", "engine_unavailable"),

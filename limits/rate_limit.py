@@ -9,7 +9,8 @@ sustained rate. Both buckets are taken in one all-or-nothing store call. Concurr
 is an expiring lease (``lease_ttl_s``, renewed every ``lease_ttl_s / 2`` while held),
 so a crashed replica's slots come back by themselves.
 
-Tokens are reserved up front as ``prompt estimate + max output tokens``; only
+Tokens are reserved up front as ``prompt + max output tokens × sequences``
+(:func:`reservation_size`); only
 admitted reservations count, so concurrent and streamed requests cannot overshoot a
 tokens/min budget — except by what one request's actual usage exceeds its own
 reservation (charged on settle as debt that delays the tenant's next requests).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from dataclasses import dataclass
 from types import TracebackType
 
 from config.schema import TenantQuota
@@ -30,12 +32,81 @@ from limits.outcome import Outcome, Rejected
 CONCURRENCY_RETRY_S = 1.0
 
 
+@dataclass(frozen=True)
+class Sizing:
+    """Tokens one request reserves.
+
+    Attributes:
+        prompt: prompt tokens (all prompts), tokens.
+        output: output tokens reserved (per-sequence cap × sequences), tokens.
+    """
+
+    prompt: int
+    output: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.output
+
+
+def reservation_size(
+    tenant: TenantQuota,
+    *,
+    prompt_tokens: int,
+    output_cap: int | None,
+    sequences: int,
+    default_output_tokens: int,
+    output_param: str,
+    prompt_param: str,
+) -> Sizing:
+    """What to reserve for a request: ``prompt_tokens + cap × sequences``.
+
+    Without a cap (``output_cap`` None) the cap reserved per sequence is
+    ``default_output_tokens``, lowered to what the tenant's tokens/min budget can
+    ever hold beside the prompt, ``(tokens_per_min − prompt) // sequences``: a
+    default must not make a request that fits impossible (its real usage is settled
+    afterwards, see :meth:`Reservation.settle`).
+
+    Args:
+        prompt_tokens / output_cap / sequences: the request's need, tokens and count.
+        default_output_tokens: ``gateway.default_output_tokens``.
+        output_param / prompt_param: request fields named in the error.
+
+    Raises:
+        Rejected: ``Outcome.EXCEEDS_QUOTA`` (400, no ``Retry-After``) when even the
+            smallest reservation (the explicit cap, or one output token per sequence)
+            exceeds the budget: the request can never be admitted.
+    """
+    tpm = tenant.tokens_per_min
+    if output_cap is not None:
+        size = Sizing(prompt_tokens, output_cap * sequences)
+        if tpm is not None and size.total > tpm:
+            raise Rejected(
+                Outcome.EXCEEDS_QUOTA,
+                f"this request needs {size.total} tokens ({prompt_tokens} prompt + "
+                f"{output_cap} × {sequences} output), more than tenant {tenant.name}'s whole "
+                f"budget of {tpm} tokens per minute; lower '{output_param}'",
+                param=output_param, reason="tokens_per_min")
+        return size
+    per_sequence = default_output_tokens
+    if tpm is not None:
+        per_sequence = min(per_sequence, (tpm - prompt_tokens) // sequences)
+        if per_sequence < 1:
+            raise Rejected(
+                Outcome.EXCEEDS_QUOTA,
+                f"this request's prompt is {prompt_tokens} tokens; with {sequences} output "
+                f"sequences it cannot fit tenant {tenant.name}'s whole budget of {tpm} tokens "
+                "per minute",
+                param=prompt_param, reason="tokens_per_min")
+    return Sizing(prompt_tokens, per_sequence * sequences)
+
+
 class Reservation:
     """What :meth:`RateLimiter.reserve` took for one request; an async context manager.
 
     Attributes:
         tenant: tenant name.
-        tokens: tokens reserved (prompt estimate + max output), tokens.
+        tokens: tokens reserved (see :func:`reservation_size`), tokens.
         settled: whether :meth:`settle` ran (only the first call counts).
         released: whether the concurrency slot (if any) was returned.
     """
@@ -47,6 +118,7 @@ class Reservation:
         tokens: int,
         token_bucket: Bucket | None,
         lease: tuple[str, str, int, float] | None,
+        open_: set[Reservation] | None = None,
     ) -> None:
         self.tenant = tenant
         self.tokens = tokens
@@ -57,8 +129,14 @@ class Reservation:
         self._lease = lease
         self._renewal: asyncio.TimerHandle | None = None
         self._renewing: asyncio.Task[None] | None = None
+        self._open = open_ if open_ is not None else set()
+        self._open.add(self)
         if lease is not None:
             self._schedule_renewal()
+
+    def _closed(self) -> None:
+        if self.settled and self.released:
+            self._open.discard(self)
 
     async def settle(self, actual_tokens: int) -> None:
         """Correct the tokens/min budget by ``actual_tokens − tokens`` (refund when
@@ -67,6 +145,7 @@ class Reservation:
         if self.settled:
             return
         self.settled = True
+        self._closed()
         delta = actual_tokens - self.tokens
         if self._token_bucket is not None and delta:
             b = self._token_bucket
@@ -77,6 +156,7 @@ class Reservation:
         if self.released or self._lease is None:
             return
         self.released = True
+        self._closed()
         if self._renewal is not None:
             self._renewal.cancel()
         if self._renewing is not None:  # let an in-flight renewal land before removing
@@ -134,6 +214,17 @@ class RateLimiter:
         self._store = store
         self._lease_ttl_s = lease_ttl_s
         self._prefix = prefix
+        self._open: set[Reservation] = set()
+
+    @property
+    def open_reservations(self) -> int:
+        """Reservations this process took and has not both settled and released."""
+        return len(self._open)
+
+    @property
+    def held_slots(self) -> int:
+        """Concurrency slots this process holds and has not released."""
+        return sum(1 for r in self._open if not r.released)
 
     async def reserve(
         self,
@@ -152,6 +243,8 @@ class RateLimiter:
         Raises:
             Rejected: ``Outcome.RATE_LIMITED`` with ``reason`` ``"requests_per_min"``,
                 ``"tokens_per_min"`` or ``"concurrency"`` and ``retry_after_s``;
+                ``Outcome.EXCEEDS_QUOTA`` (no retry) when ``tokens`` exceeds the whole
+                tokens/min budget (see :func:`reservation_size`);
                 ``Outcome.OVERLOADED`` (reason ``"store_unavailable"``) when the
                 store fails closed. Nothing stays taken when it raises.
         """
@@ -159,10 +252,9 @@ class RateLimiter:
         tpm = tenant.tokens_per_min
         if tpm is not None and tokens > tpm:
             raise Rejected(
-                Outcome.RATE_LIMITED,
-                f"this request reserves {tokens} tokens (prompt + max output), more than "
-                f"tenant {tenant.name}'s limit of {tpm} tokens per minute; lower max_tokens",
-                retry_after_s=60.0,
+                Outcome.EXCEEDS_QUOTA,
+                f"this request reserves {tokens} tokens, more than tenant {tenant.name}'s "
+                f"whole budget of {tpm} tokens per minute; it can never be admitted",
                 reason="tokens_per_min",
             )
         lease = None
@@ -203,4 +295,4 @@ class RateLimiter:
                 retry_after_s=result.retry_after_s,
                 reason=reason,
             )
-        return Reservation(self._store, tenant.name, tokens, token_bucket, lease)
+        return Reservation(self._store, tenant.name, tokens, token_bucket, lease, self._open)

@@ -13,6 +13,10 @@ SUBCOMMANDS = {
     "overload": "loadtest.overload",
     "semcache": "loadtest.semcache",
     "validate-sim": "loadtest.validate_sim",
+    "token-estimate": "loadtest.token_estimate",
+    "fuzz": "loadtest.fuzz",
+    "faults": "loadtest.faults",
+    "soak": "loadtest.soak",
 }
 
 

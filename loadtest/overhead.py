@@ -19,8 +19,8 @@ cost measured is the pipeline's, not a cache hit's).
 each replaying Mooncake-length conversations (:func:`long_bodies`: a 2,000-token
 system prompt, then turns of 2,000 user + 500 assistant tokens, 8 turns: prompts
 of 4k–20k tokens, ~13k on average; the Mooncake conversation trace averages
-12,035 input tokens) to a second stand-in served as an ``external`` engine whose
-``model_path`` is the packaged model, so the gateway tokenizes with the real Gemma
+12,035 input tokens) to a second stand-in served as an ``external`` engine with
+``tokenizer: packaged:gemma3-270m``, so the gateway tokenizes with the real Gemma
 tokenizer. It runs on the shipped gateway (turn cache on) and on a second gateway
 with ``scheduler.prefix.turn_cache_tokens: 0`` (every prompt tokenized whole), the
 "before"; ``long_cpu_ms_per_req`` reports both.
@@ -278,7 +278,7 @@ def gateway_config(directory: Path, engine_url: str, observability: bool,
     if long_url is not None:
         engines["engines"].append({"name": "stand-in-long", "model": LONG_MODEL,
                                    "kind": "external", "url": long_url,
-                                   "model_path": "packaged:gemma3-270m"})
+                                   "tokenizer": "packaged:gemma3-270m"})
     if not turn_cache:
         engines.setdefault("scheduler", {}).setdefault("prefix", {})["turn_cache_tokens"] = 0
     tenants = yaml.safe_load((shipped / "tenants.yaml").read_text()) or {}

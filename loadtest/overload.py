@@ -49,6 +49,7 @@ import aiohttp
 import psutil
 import yaml
 
+from engines.metrics import parse_metrics
 from gateway.auth import hash_key
 from loadtest.client import send_measured, wait_healthy
 from loadtest.launch import free_port, gateway
@@ -110,13 +111,11 @@ class Engines:
         """Until no engine has requests running or waiting."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            busy = 0.0
+            busy = 0
             for url in self.urls:
                 async with session.get(url + "/metrics") as r:
-                    for line in (await r.text()).splitlines():
-                        if line.startswith(("vllm:num_requests_running{",
-                                            "vllm:num_requests_waiting{")):
-                            busy += float(line.rsplit(" ", 1)[1])
+                    m = parse_metrics(await r.text(), time.monotonic())
+                busy += m.num_running + m.num_waiting
             if busy == 0:
                 return
             await asyncio.sleep(0.5)

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import aiohttp
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+from engines.metrics import parse_metrics
+from engines.pool import MetricsSnapshot
 from loadtest.launch import gateway
 from loadtest.report import EngineSample, EngineStats, Result, Slo, format_summary, plot, summarize
 from loadtest.workloads import WORKLOADS, RequestSpec, WorkloadOptions, build_workload
@@ -215,10 +216,9 @@ class Replayer:
             scraper.cancel()
             for e, b in zip(engines, before, strict=False):
                 a = await _scrape(session, e.url)
-                e.queries_delta = a.get("vllm:prefix_cache_queries_total", 0) - b.get(
-                    "vllm:prefix_cache_queries_total", 0)
-                e.hits_delta = a.get("vllm:prefix_cache_hits_total", 0) - b.get(
-                    "vllm:prefix_cache_hits_total", 0)
+                if a is not None and b is not None:
+                    e.queries_delta = a.prefix_cache_queries - b.prefix_cache_queries
+                    e.hits_delta = a.prefix_cache_hits - b.prefix_cache_hits
         return results, wall
 
     async def _scrape_loop(self, session: aiohttp.ClientSession, engines: list[EngineStats],
@@ -227,11 +227,9 @@ class Replayer:
             t = time.perf_counter() - start
             for e, m in zip(engines, await asyncio.gather(
                     *(_scrape(session, e.url) for e in engines)), strict=False):
-                if m:
-                    e.samples.append(EngineSample(
-                        t, m.get("vllm:num_requests_running", 0),
-                        m.get("vllm:num_requests_waiting", 0),
-                        m.get("vllm:kv_cache_usage_perc", 0)))
+                if m is not None:
+                    e.samples.append(EngineSample(t, m.num_running, m.num_waiting,
+                                                  m.kv_cache_usage or 0.0))
             await asyncio.sleep(interval_s)
 
 
@@ -247,19 +245,15 @@ def _prefix_tokens(header: str | None) -> dict[str, int] | None:
     return out or None
 
 
-async def _scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """Sums of each sample name on ``url/metrics``; {} when unreachable."""
+async def _scrape(session: aiohttp.ClientSession, url: str) -> MetricsSnapshot | None:
+    """The engine's ``url/metrics`` (:func:`engines.metrics.parse_metrics`); None when
+    unreachable or unparsable."""
     try:
         async with session.get(url.rstrip("/") + "/metrics",
                                timeout=aiohttp.ClientTimeout(total=5)) as r:
-            text = await r.text()
-    except (TimeoutError, aiohttp.ClientError):
-        return {}
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
+            return parse_metrics(await r.text(), time.monotonic())
+    except (TimeoutError, aiohttp.ClientError, ValueError):
+        return None
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

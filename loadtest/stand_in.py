@@ -21,6 +21,8 @@ import json
 import sys
 from typing import Any
 
+from loadtest.sim_engine.metrics import EngineStats, VllmExposition
+
 _REASONS = {200: b"OK", 404: b"Not Found", 400: b"Bad Request"}
 
 
@@ -78,15 +80,8 @@ class Answers:
         self.health = _response(200, b"", b"text/plain")
         self.models = _response(200, json.dumps({"object": "list", "data": [
             {"id": model, "object": "model", "owned_by": "stand-in"}]}).encode())
-        labels = f'engine="0",model_name="{model}"'
-        self.metrics = _response(200, (
-            f"vllm:num_requests_running{{{labels}}} 0\n"
-            f"vllm:num_requests_waiting{{{labels}}} 0\n"
-            f"vllm:kv_cache_usage_perc{{{labels}}} 0.0\n"
-            f"vllm:prefix_cache_queries_total{{{labels}}} 0\n"
-            f"vllm:prefix_cache_hits_total{{{labels}}} 0\n"
-            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="1000000",{labels}}} 1\n'
-        ).encode(), b"text/plain; version=0.0.4")
+        idle = VllmExposition(model, EngineStats, num_gpu_blocks=1_000_000)
+        self.metrics = _response(200, idle.render(), b"text/plain; version=0.0.4")
         self.not_found = _response(404, b'{"error": {"message": "not found"}}')
         self.bad = _response(400, b'{"error": {"message": "bad request"}}')
 

@@ -30,8 +30,9 @@ import time
 from dataclasses import asdict, dataclass
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from engines.metrics import parse_metrics
+from engines.pool import MetricsSnapshot
 from loadtest.client import wait_healthy
 from loadtest.launch import free_port
 
@@ -77,15 +78,9 @@ async def _stream(session: aiohttp.ClientSession, base: str, model: str,
     return times[0], times
 
 
-async def _counters(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
+async def _scrape(session: aiohttp.ClientSession, base: str) -> MetricsSnapshot:
     async with session.get(f"{base}/metrics") as r:
-        text = await r.text()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
-                out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
+        return parse_metrics(await r.text(), time.monotonic())
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -112,13 +107,12 @@ async def probe(base: str, args: argparse.Namespace) -> dict[str, float]:
             out[f"tpot_ms@c={c}"] = 1000 * statistics.median(tpots)
             out[f"throughput_tok_s@c={c}"] = sum(len(t) for _, t in runs) / wall
         prompt = _prompt(rng, args.prefix_len)
-        before = await _counters(s, base)
+        before = await _scrape(s, base)
         first, _ = await _stream(s, base, model, prompt, 2)
         second, _ = await _stream(s, base, model, prompt, 2)
-        after = await _counters(s, base)
-        for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
-            out[f"{name.split(':')[1].removesuffix('_total')}_delta"] = (
-                after.get(name, 0.0) - before.get(name, 0.0))
+        after = await _scrape(s, base)
+        out["prefix_cache_queries_delta"] = after.prefix_cache_queries - before.prefix_cache_queries
+        out["prefix_cache_hits_delta"] = after.prefix_cache_hits - before.prefix_cache_hits
         out["ttft_ms@prefix_first"] = 1000 * first
         out["ttft_ms@prefix_second"] = 1000 * second
     return out

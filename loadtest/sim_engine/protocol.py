@@ -6,10 +6,11 @@ for chat, a usage-only last chunk (empty ``choices``) when
 ``{"error": {"message", "type", "param", "code"}}``
 (``vllm/entrypoints/serve/engine/protocol.py`` ``ErrorResponse``).
 
-Simplifications (documented, deliberate): one choice (``n`` = 1), one prompt per
-completion request, output length = ``max_tokens`` (no stop strings, finish reason
-``length``), default ``max_tokens`` 16 (OpenAI's legacy completions default; vLLM
-defaults to the rest of the context).
+``n`` > 1 runs ``n`` sequences on the same prompt (choices ``index`` 0 … n − 1, usage
+summing their output), as vLLM does. Simplifications (documented, deliberate): one
+prompt per completion request, ``best_of`` ignored, output length = ``max_tokens``
+(no stop strings, finish reason ``length``), default ``max_tokens`` 16 (OpenAI's
+legacy completions default; vLLM defaults to the rest of the context).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class ParsedRequest:
             when ``prompt_token_ids`` is given.
         prompt_token_ids: a completions prompt given as token ids.
         max_tokens: output tokens to generate, or None for the default.
+        n: choices (sequences) to generate.
         stream, include_usage: SSE streaming and the final usage chunk.
         cache_salt: prefix-cache isolation key (vLLM's ``cache_salt``).
     """
@@ -64,6 +66,7 @@ class ParsedRequest:
     prompt_text: str | None
     prompt_token_ids: list[int] | None
     max_tokens: int | None
+    n: int
     stream: bool
     include_usage: bool
     cache_salt: str | None
@@ -83,12 +86,16 @@ def _text(content: Any) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts = [p for p in content if isinstance(p, dict)]
+        if not all(isinstance(p.get("text", ""), str) for p in parts):
+            # vLLM's pydantic models answer 400 for a text part whose text is not a string
+            raise RequestError("a content part's text must be a string", param="messages")
+        return "".join(p.get("text", "") for p in parts)
     raise RequestError("message content must be a string or a list of parts",
                        param="messages")
 
 
-def _common(body: Any, served_model: str) -> tuple[int | None, bool, bool, str | None]:
+def _common(body: Any, served_model: str) -> tuple[int | None, int, bool, bool, str | None]:
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     model = body.get("model")
@@ -100,8 +107,10 @@ def _common(body: Any, served_model: str) -> tuple[int | None, bool, bool, str |
                                    or isinstance(max_tokens, bool) or max_tokens < 1):
         raise RequestError(f"max_tokens must be at least 1, got {max_tokens}.",
                            param="max_tokens")
-    if body.get("n", 1) != 1:
-        raise RequestError("the simulator supports n = 1 only", param="n")
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise RequestError(f"n must be at least 1, got {n}.", param="n")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("stream must be a boolean", param="stream")
@@ -118,35 +127,35 @@ def _common(body: Any, served_model: str) -> tuple[int | None, bool, bool, str |
         raise RequestError("Parameter 'cache_salt' must be a non-empty string of at most "
                            "128 characters without '@', '/', '\\\\' or NUL.",
                            param="cache_salt")
-    return max_tokens, stream, bool(opts.get("include_usage")), salt
+    return max_tokens, n, stream, bool(opts.get("include_usage")), salt
 
 
 def parse_chat(body: Any, served_model: str) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` body; raises :class:`RequestError`."""
-    max_tokens, stream, include_usage, salt = _common(body, served_model)
+    max_tokens, n, stream, include_usage, salt = _common(body, served_model)
     messages = body.get("messages")
     if (not isinstance(messages, list) or not messages
             or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                        for m in messages)):
         raise RequestError("messages must be a non-empty list of {role, content}",
                            param="messages")
-    return ParsedRequest(True, render_chat(messages), None, max_tokens, stream,
+    return ParsedRequest(True, render_chat(messages), None, max_tokens, n, stream,
                          include_usage, salt)
 
 
 def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     """Validate a ``/v1/completions`` body (prompt: a string, a one-string list or
     a list of token ids); raises :class:`RequestError`."""
-    max_tokens, stream, include_usage, salt = _common(body, served_model)
+    max_tokens, n, stream, include_usage, salt = _common(body, served_model)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        return ParsedRequest(False, prompt, None, max_tokens, stream, include_usage, salt)
+        return ParsedRequest(False, prompt, None, max_tokens, n, stream, include_usage, salt)
     if (isinstance(prompt, list) and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                     for t in prompt)):
-        return ParsedRequest(False, None, list(prompt), max_tokens, stream, include_usage,
+        return ParsedRequest(False, None, list(prompt), max_tokens, n, stream, include_usage,
                              salt)
     raise RequestError("prompt must be a non-empty string or list of token ids "
                        "(one prompt per request)", param="prompt")
@@ -212,19 +221,19 @@ class ResponseShape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def role_chunk(self) -> bytes:
+    def role_chunk(self, index: int = 0) -> bytes:
         return sse({**self._head("chat.completion.chunk"), "choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": ""},
+            {"index": index, "delta": {"role": "assistant", "content": ""},
              "logprobs": None, "finish_reason": None}]})
 
-    def token_chunk(self, text: str, finished: bool) -> bytes:
+    def token_chunk(self, text: str, finished: bool, index: int = 0) -> bytes:
         reason = "length" if finished else None
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
+            choice = {"index": index, "delta": {"content": text}, "logprobs": None,
                       "finish_reason": reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
             obj = "text_completion"
         if finished:
             choice["stop_reason"] = None
@@ -235,15 +244,19 @@ class ResponseShape:
         return sse({**self._head(obj), "choices": [],
                     "usage": usage(prompt, completion, cached)})
 
-    def full(self, text: str, prompt: int, completion: int, cached: int | None = None) -> bytes:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text,
-                                              "tool_calls": []},
-                      "logprobs": None, "finish_reason": "length", "stop_reason": None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
-                      "stop_reason": None}
-            obj = "text_completion"
-        return dumps({**self._head(obj), "choices": [choice],
+    def full(self, texts: list[str], prompt: int, completion: int,
+             cached: int | None = None) -> bytes:
+        """The non-streaming body: one choice per text in ``texts``."""
+        choices: list[dict[str, Any]] = []
+        for i, text in enumerate(texts):
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text,
+                                                        "tool_calls": []},
+                                "logprobs": None, "finish_reason": "length",
+                                "stop_reason": None})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": None,
+                                "finish_reason": "length", "stop_reason": None})
+        obj = "chat.completion" if self.chat else "text_completion"
+        return dumps({**self._head(obj), "choices": choices,
                       "usage": usage(prompt, completion, cached)})

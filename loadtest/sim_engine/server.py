@@ -117,47 +117,57 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return _error(exc)
     shape = ResponseShape(chat, engine.model_name)
     wake = asyncio.Event()
-    req = SimRequest(shape.id, n_prompt, hashes, max_tokens, notify=wake.set,
-                     token_ids=tokens if engine.publisher is not None else [],
-                     cache_salt=parsed.cache_salt)
-    cached = (lambda: req.num_cached_tokens) if engine.prompt_tokens_details else (lambda: None)
-    engine.submit(req)
+    reqs = [SimRequest(shape.id if parsed.n == 1 else f"{shape.id}-{i}", n_prompt, hashes,
+                       max_tokens, notify=wake.set,
+                       token_ids=tokens if engine.publisher is not None else [],
+                       cache_salt=parsed.cache_salt) for i in range(parsed.n)]
+    cached = ((lambda: reqs[0].num_cached_tokens) if engine.prompt_tokens_details
+              else (lambda: None))
+    for req in reqs:
+        engine.submit(req)
     try:
         if parsed.stream:
-            return await _stream(request, req, wake, shape, parsed.include_usage, cached)
-        while not req.done:
+            return await _stream(request, reqs, wake, shape, parsed.include_usage, cached)
+        while not all(req.done for req in reqs):
             await wake.wait()
             wake.clear()
-        return web.Response(body=shape.full(output_text(0, req.num_output_tokens),
-                                            n_prompt, req.num_output_tokens, cached()),
+        return web.Response(body=shape.full([output_text(0, r.num_output_tokens) for r in reqs],
+                                            n_prompt, sum(r.num_output_tokens for r in reqs),
+                                            cached()),
                             content_type="application/json")
     finally:
-        engine.abort(req)  # no-op once finished; frees blocks on disconnect/cancel
+        for req in reqs:
+            engine.abort(req)  # no-op once finished; frees blocks on disconnect/cancel
 
 
-async def _stream(request: web.Request, req: SimRequest, wake: asyncio.Event,
+async def _stream(request: web.Request, reqs: list[SimRequest], wake: asyncio.Event,
                   shape: ResponseShape, include_usage: bool,
                   cached: Callable[[], int | None]) -> web.StreamResponse:
+    """Stream the ``n`` sequences of one request, each as choice ``index`` i."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    sent = 0
+    sent = [0] * len(reqs)
     while True:
         await wake.wait()
         wake.clear()
-        produced = req.num_output_tokens
-        if produced > sent:
-            # vLLM sends the chat role chunk with the first engine output.
-            parts = [shape.role_chunk()] if shape.chat and sent == 0 else []
-            last = req.max_tokens if req.status is Status.FINISHED else -1
-            parts += [shape.token_chunk(output_text(i, i + 1), i + 1 == last)
-                      for i in range(sent, produced)]
+        parts: list[bytes] = []
+        for index, req in enumerate(reqs):
+            produced = req.num_output_tokens
+            if produced > sent[index]:
+                # vLLM sends the chat role chunk with the first engine output.
+                if shape.chat and sent[index] == 0:
+                    parts.append(shape.role_chunk(index))
+                last = req.max_tokens if req.status is Status.FINISHED else -1
+                parts += [shape.token_chunk(output_text(i, i + 1), i + 1 == last, index)
+                          for i in range(sent[index], produced)]
+                sent[index] = produced
+        if parts:
             await resp.write(b"".join(parts))
-            sent = produced
-        if req.done:
+        if all(req.done for req in reqs):
             break
-    if req.status is Status.FINISHED:
-        tail = (shape.usage_chunk(req.num_prompt_tokens, sent, cached()) if include_usage
+    if all(req.status is Status.FINISHED for req in reqs):
+        tail = (shape.usage_chunk(reqs[0].num_prompt_tokens, sum(sent), cached()) if include_usage
                 else b"")
         await resp.write(tail + SSE_DONE)
     await resp.write_eof()

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from config.schema import Config, EnginesConfig, GatewayConfig, TenantsConfig
-from gateway.app import DIRECTOR
+from gateway.keys import SCHEDULER
 from loadtest.workloads.base import synthetic_text
 from tests.integration.conftest import run_gateway
 
@@ -48,7 +48,7 @@ async def test_vllm_reports_a_long_prompt_stored_and_the_index_scores_it() -> No
     async with run_gateway(cfg, ready=0) as gw:
         await gw.wait_ready(1, timeout_s=300)
         engine = gw.pool.engines[0]
-        index = gw.app[DIRECTOR].scheduler.index
+        index = gw.app[SCHEDULER].index
         await until(lambda: index.synced(engine), 30)
         body = {"model": engine.model, "max_tokens": 2,
                 "messages": [{"role": "user", "content": synthetic_text("e2e-kv", 1500)}]}

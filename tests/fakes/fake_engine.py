@@ -1,11 +1,13 @@
 """A tiny stand-in for a vLLM OpenAI server, for supervisor tests over loopback.
 
 Serves ``/health``, ``/v1/models``, ``/v1/completions`` (one token) and a vLLM-style
-``/metrics``. Flags shape its behaviour: slow start-up, exiting on its own, failing
-health while a file exists, ignoring SIGTERM, and spawning a grandchild (like vLLM's
-EngineCore) whose pid it writes to a file.
+``/metrics`` (the shared writer, :mod:`loadtest.sim_engine.metrics`). Flags shape its
+behaviour: slow start-up, exiting on its own, failing health while a file exists,
+ignoring SIGTERM, and spawning a grandchild (like vLLM's EngineCore) whose pid it
+writes to a file.
 
-Run: ``python tests/fakes/fake_engine.py --host H --port P --model M [flags]``.
+Run from the repository root: ``python -m tests.fakes.fake_engine --host H --port P
+--model M [flags]``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import sys
 from pathlib import Path
 
 from aiohttp import web
+
+from loadtest.sim_engine.metrics import EngineStats, VllmExposition
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -63,19 +67,14 @@ def make_app(args: argparse.Namespace) -> web.Application:
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
         })
 
+    exposition = VllmExposition(args.model, lambda: EngineStats(
+        running=state["running"], kv_cache_usage=0.01 * state["running"],
+        prefix_cache_queries=state["queries"], generation_tokens=state["generated"]),
+        num_gpu_blocks=100)
+
     async def metrics(_: web.Request) -> web.Response:
-        labels = f'engine="0",model_name="{args.model}"'
         state["generated"] += state["running"]  # running requests decode between scrapes
-        text = (
-            f"vllm:num_requests_running{{{labels}}} {state['running']}\n"
-            f"vllm:num_requests_waiting{{{labels}}} 0\n"
-            f"vllm:kv_cache_usage_perc{{{labels}}} {0.01 * state['running']}\n"
-            f"vllm:prefix_cache_queries_total{{{labels}}} {state['queries']}\n"
-            f"vllm:prefix_cache_hits_total{{{labels}}} 0\n"
-            f"vllm:generation_tokens_total{{{labels}}} {state['generated']}\n"
-            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="100",{labels}}} 1\n'
-        )
-        return web.Response(text=text)
+        return web.Response(body=exposition.render(), content_type="text/plain")
 
     app = web.Application()
     app.router.add_get("/health", health)

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from config.schema import Config, EnginesConfig, GatewayConfig, TenantsConfig
 from gateway.app import create_app
+from gateway.errors import GatewayRunner
 from gateway.keys import POOL
 from tests.conftest import free_port
 from tests.integration.fake_engine import FakeEngine
@@ -64,7 +65,7 @@ class Gateway:
 async def run_gateway(cfg: Config, ready: int | None = None,
                       app: web.Application | None = None) -> AsyncIterator[Gateway]:
     app = app if app is not None else create_app(cfg)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2)
+    runner = GatewayRunner(app, handler_cancellation=True, shutdown_timeout=2)
     await runner.setup()
     port = free_port()
     site = web.TCPSite(runner, "127.0.0.1", port)

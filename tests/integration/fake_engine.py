@@ -2,7 +2,7 @@
 for the failure modes the gateway must survive.
 
 It speaks the same API as vLLM (``/v1/chat/completions``, ``/v1/completions``,
-``/v1/models``, ``/health``, ``/metrics`` with vLLM metric names) and records what it
+``/v1/models``, ``/health``, ``/metrics`` from the shared vLLM exposition writer) and records what it
 received. ``mode`` selects a behaviour for the next requests:
 
 * ``ok``: the answer ``reply`` (streamed one word per chunk, usage when asked).
@@ -12,6 +12,11 @@ received. ``mode`` selects a behaviour for the next requests:
 * ``slow_first``: waits ``delay_s`` before the first chunk (or the JSON answer).
 * ``stall``: two chunks (role, first word), then waits ``delay_s`` before the next.
 * ``error500``: answers HTTP 500.
+* ``status``: answers HTTP ``status`` with an OpenAI error body carrying
+  ``error_message`` and the headers ``error_headers`` (e.g. 429 with Retry-After).
+* ``unbounded_event``: a chat stream's role chunk and first word (a completions
+  stream: nothing), then ``data: {"x":"`` and 64 KiB of text every ``delay_s``, never a blank line,
+  until the client goes away (``sent_bytes`` counts what was written).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from loadtest.sim_engine.metrics import EngineStats, VllmExposition
+
 
 @dataclass
 class FakeEngine:
@@ -33,12 +40,21 @@ class FakeEngine:
     mode: str = "ok"
     kv_usage: float = 0.1
     delay_s: float = 0.0
+    status: int = 500
+    error_message: str = "boom"
+    error_headers: dict[str, str] = field(default_factory=dict)
+    sent_bytes: int = 0
     running: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[CIMultiDict[str]] = field(default_factory=list)
     aborted: int = 0
     runner: web.AppRunner | None = None
     port: int = 0
+    exposition: VllmExposition = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.exposition = VllmExposition(self.model, lambda: EngineStats(
+            running=self.running, kv_cache_usage=self.kv_usage))
 
     @property
     def url(self) -> str:
@@ -72,16 +88,7 @@ class FakeEngine:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        labels = f'engine="0",model_name="{self.model}"'
-        text = (
-            f"vllm:num_requests_running{{{labels}}} {self.running}\n"
-            f"vllm:num_requests_waiting{{{labels}}} 0\n"
-            f"vllm:kv_cache_usage_perc{{{labels}}} {self.kv_usage}\n"
-            f"vllm:prefix_cache_queries_total{{{labels}}} 0\n"
-            f"vllm:prefix_cache_hits_total{{{labels}}} 0\n"
-            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="1000",{labels}}} 1\n'
-        )
-        return web.Response(text=text, content_type="text/plain")
+        return web.Response(body=self.exposition.render(), content_type="text/plain")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, chat=True)
@@ -95,6 +102,10 @@ class FakeEngine:
         self.headers.append(request.headers.copy())
         if self.mode == "error500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
+        if self.mode == "status":
+            err = {"message": self.error_message, "type": "BadRequestError", "param": None,
+                   "code": self.status}
+            return web.json_response({"error": err}, status=self.status, headers=self.error_headers)
         self.running += 1
         try:
             if body.get("stream"):
@@ -151,6 +162,14 @@ class FakeEngine:
         chunks = self._chunks(body, chat)
         if self.mode == "slow_first":
             await asyncio.sleep(self.delay_s)
+        if self.mode == "unbounded_event":
+            for chunk in chunks[:2 if chat else 0]:
+                await resp.write(chunk)
+            await resp.write(b'data: {"x":"')
+            while True:
+                await resp.write(b"y" * 65536)
+                self.sent_bytes += 65536
+                await asyncio.sleep(self.delay_s)
         for i, chunk in enumerate(chunks):
             if self.mode == "die_mid_stream" and i == 2:
                 assert request.transport is not None

@@ -12,8 +12,9 @@ the ``playwright`` Python package, no browser download).
   matches ``/admin/stats`` fetched at the same moment, and a screenshot is saved
   under the test's ``tmp_path`` (and copied to ``out/dashboard.png``).
 
-Skipped, with the reason, only when the ``playwright`` package or a ``chromium``
-binary is missing (``make test`` installs both).
+Skipped, with the reason, when the ``playwright`` package or a ``chromium`` binary is
+missing (``make test`` installs both; chromium only as root) or when
+``SLUICE_SKIP_BROWSER`` is set (``make test SKIP_BROWSER=1``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import random
 import re
 import shutil
@@ -59,10 +61,13 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "admin-secret-key"
 
-if async_playwright is None:
+if os.environ.get("SLUICE_SKIP_BROWSER"):
+    _SKIP = "browser tests skipped on request (make test SKIP_BROWSER=1)"
+elif async_playwright is None:
     _SKIP = "the playwright package is not installed (pip install -e '.[dev]')"
 elif CHROMIUM is None:
-    _SKIP = "no chromium binary on PATH and it could not be installed (apt-get install chromium)"
+    _SKIP = ("no chromium on PATH: `make test` installs Debian's chromium only as root with "
+             "apt-get (or run `apt-get install chromium`)")
 else:
     _SKIP = ""
 pytestmark = [pytest.mark.skipif(bool(_SKIP), reason=_SKIP), pytest.mark.timeout(180)]

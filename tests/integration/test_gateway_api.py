@@ -104,6 +104,20 @@ async def test_unknown_route_and_method_are_openai_errors(engines):
         assert r.status == 405
 
 
+async def test_unparseable_http_is_an_openai_error(engines):
+    """A header longer than aiohttp's 8190-byte field limit never reaches the
+    middlewares; the connection handler still answers in the OpenAI shape."""
+    (eng,) = await engines()
+    async with run_gateway(make_config([eng])) as gw:
+        r = await gw.session.post(f"{gw.url}/v1/chat/completions", json=[],
+                                  headers={"Authorization": "Bearer " + "k" * 10_000})
+        assert r.status == 400
+        body = await r.json()
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["code"] == "invalid_request"
+    assert "8190" in body["error"]["message"]
+
+
 async def test_auth_keys_and_anonymous(engines):
     (fake,) = await engines(1)
     tenants = {"allow_anonymous": False,
@@ -269,9 +283,13 @@ async def test_first_token_timeouts_count_as_failed_probes(engines):
             assert r.status == 504
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 3
-        while engine.routable and loop.time() < deadline:
+        assert engine.breaker.state.value == "open" and not engine.routable
+        metrics = await (await gw.session.get(gw.url + "/metrics")).text()
+        assert 'sluice_engine_breaker_open{engine="e0",model="fake-model"} 1.0' in metrics
+        while engine.state.value != "unhealthy" and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        assert (engine.state.value, engine.upstream_failures) == ("unhealthy", 2)
+        # the two requests, then the runner's failed inference probes
+        assert engine.state.value == "unhealthy" and engine.breaker.failures >= 2
         await asyncio.sleep(1.5)  # /health answers, but the inference probe still hangs
         assert engine.state.value == "unhealthy"
         fake.mode = "ok"  # a 1-token completion answers again: back in service

@@ -11,7 +11,8 @@ import json
 from typing import Any
 
 from config.schema import Config, EnginesConfig, GatewayConfig, TenantsConfig
-from gateway.app import DIRECTOR, SUPERVISOR
+from gateway.app import SUPERVISOR
+from gateway.keys import SCHEDULER
 from loadtest.workloads.base import synthetic_text
 from tests.integration.conftest import FAST_SUPERVISOR, run_gateway
 
@@ -56,7 +57,7 @@ async def test_repeated_prompt_is_scored_from_engine_events() -> None:
             flag = json.loads(argv[argv.index("--kv-events-config") + 1])
             assert flag["enable_kv_cache_events"] and flag["endpoint"].startswith("tcp://*:")
             assert runner.engine.kv_events.replay == flag["replay_endpoint"]
-        index = gw.app[DIRECTOR].scheduler.index
+        index = gw.app[SCHEDULER].index
         await until(lambda: all(index.synced(e) for e in gw.pool.engines))
         text = synthetic_text("kv-events", 3000)
         first, predicted, usage = await ask(gw, text)

@@ -100,8 +100,15 @@ async def test_metrics_traces_and_access_log_for_every_outcome(engines, caplog):
     assert moved("sluice_cache_lookups_total", kind="exact", result="hit") == 1
     assert moved("sluice_cache_lookups_total", kind="exact", result="miss") == 1
     n_words = len(fake.reply.split(" "))
-    assert moved("sluice_tokens_total", tenant="acme", kind="completion") == 3 * n_words
-    assert moved("sluice_tokens_total", tenant="acme", kind="prompt") == 3 * 7
+    # two engine answers; the exact hit replays usage on its own series
+    assert moved("sluice_tokens_total", tenant="acme", kind="completion") == 2 * n_words
+    assert moved("sluice_tokens_total", tenant="acme", kind="prompt") == 2 * 7
+    assert moved("sluice_cached_tokens_total", tenant="acme", kind="completion") == n_words
+    assert moved("sluice_cached_tokens_total", tenant="acme", kind="prompt") == 7
+    assert value(after, "sluice_ratelimit_reservations_open") == 0
+    assert value(after, "sluice_ratelimit_concurrency_slots_held") == 0
+    assert value(after, "sluice_engine_promised_kv_blocks", engine="e0") == 0
+    assert value(after, "sluice_output_overshoot_tokens_total", tenant="acme") == 0
     assert moved("sluice_ttft_seconds_count", model="fake-model", engine="e0") == 2
     assert moved("sluice_queue_wait_seconds_count", priority="batch") == 1
     assert value(after, "sluice_queue_depth", model="fake-model", priority="batch") == 0

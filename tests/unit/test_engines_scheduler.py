@@ -7,10 +7,18 @@ import random
 from collections.abc import Sequence
 
 import pytest
+from pydantic import ValidationError
 
-from config.schema import PluginConfig, SchedulerConfig
+from config.schema import FilterConfig, SchedulerConfig, ScorerConfig
 from engines import plugins
-from engines.plugins import LeastInFlight, MaxScore, build_filter, build_picker, build_scorer
+from engines.plugins import (
+    LeastInFlight,
+    LoadGuard,
+    MaxScore,
+    build_filter,
+    build_picker,
+    build_scorer,
+)
 from engines.pool import Engine, EngineState
 from engines.scheduler import Decision, SchedRequest, Scheduler
 
@@ -47,18 +55,22 @@ def test_only_ready_engines_of_the_model() -> None:
 
 
 def test_least_loaded_engine_wins_and_scores_are_reported() -> None:
-    s = Scheduler(SchedulerConfig(scorers=[PluginConfig(type="least-in-flight", weight=2)]))
+    s = Scheduler(SchedulerConfig(scorers=[ScorerConfig(type="least-in-flight", weight=2)]))
     d = s.pick(REQ, [eng("a", 3), eng("b", 1), eng("c", 2)], 0)
     assert d is not None and d.engine.id == "b"
     assert d.scores == {"least-in-flight": pytest.approx(2 / 3), "total": pytest.approx(4 / 3)}
 
 
 class _DropAll:
+    Params = plugins.NoParams
+
     def filter(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[Engine]:
         return []
 
 
 class _OnlyB:
+    Params = plugins.NoParams
+
     def filter(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[Engine]:
         return [e for e in engines if e.id == "b"]
 
@@ -66,26 +78,47 @@ class _OnlyB:
 def test_configured_filters_narrow_and_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(plugins, "FILTERS", {"drop-all": _DropAll, "only-b": _OnlyB})
     es = [eng("a", 0), eng("b", 5)]
-    narrow = Scheduler(SchedulerConfig(filters=[PluginConfig(type="only-b")]))
+    narrow = Scheduler(SchedulerConfig(filters=[FilterConfig(type="only-b")]))
     assert narrow.pick(REQ, es, 0).engine.id == "b"
-    fallback = Scheduler(SchedulerConfig(filters=[PluginConfig(type="drop-all")]))
+    fallback = Scheduler(SchedulerConfig(filters=[FilterConfig(type="drop-all")]))
     assert fallback.pick(REQ, es, 0).engine.id == "a"  # healthy list, least in flight
 
 
-def test_unknown_type_names_it() -> None:
-    with pytest.raises(ValueError, match="unknown scorer type 'nope'.*least-in-flight"):
-        build_scorer(PluginConfig(type="nope"))
-    with pytest.raises(ValueError, match="unknown filter type 'kv-x'"):
-        build_filter(PluginConfig(type="kv-x"))
-    with pytest.raises(ValueError, match="unknown picker type 'first'"):
-        Scheduler(SchedulerConfig(picker=PluginConfig(type="first")))
+def test_unknown_type_is_a_config_error_at_type_listing_the_valid_ones() -> None:
+    with pytest.raises(ValidationError) as err:
+        SchedulerConfig.model_validate({"scorers": [{"type": "queue-depth"}, {"type": "nope"}],
+                                        "filters": [{"type": "kv-x"}],
+                                        "picker": {"type": "first"}})
+    got = {".".join(map(str, e["loc"])): e["msg"] for e in err.value.errors()}
+    assert set(got) == {"scorers.1.type", "filters.0.type", "picker.type"}
+    assert "unknown scorer type 'nope'; valid types: kv-cache-usage, least-in-flight, " \
+        "prefix-affinity, queue-depth, session-affinity" in got["scorers.1.type"]
+    assert "unknown filter type 'kv-x'; valid types: kv-watermark, load-guard" in got["filters.0.type"]
+    assert "unknown picker type 'first'" in got["picker.type"]
 
 
-def test_bad_params_are_a_value_error() -> None:
-    with pytest.raises(ValueError, match="least-in-flight.*bad params"):
-        build_scorer(PluginConfig(type="least-in-flight", params={"x": 1}))
-    assert isinstance(build_picker(PluginConfig(type="max-score", params={"tolerance": 0.1}),
-                                   random.Random()), MaxScore)
+def test_params_are_typed_per_plugin() -> None:
+    with pytest.raises(ValidationError) as err:
+        SchedulerConfig.model_validate({
+            "scorers": [{"type": "least-in-flight", "params": {"x": 1}}],
+            "filters": [{"type": "kv-watermark", "params": {"watermark": 1.5}},
+                        {"type": "load-guard", "params": {"abs_threshold": "many"}}],
+            "picker": {"type": "max-score", "weight": 2}})
+    got = {".".join(map(str, e["loc"])): e["type"] for e in err.value.errors()}
+    assert got == {"scorers.0.params.x": "extra_forbidden",
+                   "filters.0.params.watermark": "less_than_equal",
+                   "filters.1.params.abs_threshold": "float_parsing",
+                   "picker.weight": "extra_forbidden"}  # weight belongs to scorers
+    cfg = SchedulerConfig.model_validate(
+        {"filters": [{"type": "load-guard", "params": {"abs_threshold": 2}}],
+         "picker": {"type": "max-score", "params": {"tolerance": 0.1}}})
+    assert cfg.filters[0].params == {"abs_threshold": 2.0, "rel_threshold": 0.25}
+    guard = build_filter(cfg.filters[0])
+    assert isinstance(guard, LoadGuard) and (guard.abs_threshold, guard.rel_threshold) == (2, 0.25)
+    picker = build_picker(cfg.picker, random.Random())
+    assert isinstance(picker, MaxScore) and picker.tolerance == 0.1
+    with pytest.raises(ValueError, match="unknown scorer type 'nope'"):
+        build_scorer(ScorerConfig.model_construct(type="nope", params={}, weight=1.0))
 
 
 def test_registries_are_immutable() -> None:

@@ -9,8 +9,9 @@ import pytest
 from config.loader import ConfigError, load_config, load_file
 from config.schema import TenantsConfig
 from gateway.auth import TenantDirectory, hash_key
-from gateway.openai_api import parse_json, parse_request
-from gateway.sse import EventFramer, StreamSummary
+from gateway.openai_api import output_cap, parse_json, parse_request
+from gateway.proxy import retry_after_s
+from gateway.sse import EventFramer, EventTooLarge, StreamSummary
 from limits.outcome import Outcome, Rejected
 
 
@@ -19,7 +20,7 @@ def test_framer_never_splits_utf8_and_keeps_the_tail():
     stream = b"".join(b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": w}}]},
                                               ensure_ascii=False).encode() + b"\n\n"
                       for w in text.split(" ")) + b"data: [DONE]\n\n"
-    framer, events = EventFramer(), []
+    framer, events = EventFramer(1024), []
     for i in range(0, len(stream), 5):  # 5-byte reads cut characters apart
         events += framer.feed(stream[i:i + 5])
     assert framer.pending == b""
@@ -28,6 +29,24 @@ def test_framer_never_splits_utf8_and_keeps_the_tail():
         summary.observe(e)
     assert summary.done and "".join(summary.texts[0]) == text.replace(" ", "")
     assert summary.content_chunks == 3
+
+
+def test_framer_bounds_one_event_and_drops_it():
+    framer = EventFramer(1024)
+    assert framer.feed(b'data: {"a": 1}\n\ndata: {"x":"') == [b'data: {"a": 1}\n\n']
+    assert framer.feed(b"y" * 1000) == []
+    with pytest.raises(EventTooLarge):
+        framer.feed(b"y" * 20)  # 12 + 1020 bytes, no end: past 1024
+    assert framer.pending == b""
+    with pytest.raises(EventTooLarge):  # a complete event past the bound, in one read
+        framer.feed(b"data: " + b"z" * 2000 + b"\n\ndata: [DONE]\n\n")
+    assert framer.feed(b"data: " + b"z" * 1000 + b"\n\n") == [b"data: " + b"z" * 1000 + b"\n\n"]
+
+
+def test_retry_after_seconds_or_http_date():
+    assert retry_after_s("7") == 7.0
+    assert retry_after_s(None) is None and retry_after_s("soon") is None
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past
 
 
 def test_summary_rebuilds_a_finished_answer_only():
@@ -51,6 +70,36 @@ def test_parse_request_output_fields():
     assert r.body["max_completion_tokens"] == 10 and "max_tokens" not in r.body
     r = parse_request("completions", {"model": "m", "prompt": [[1, 2, 3], [4]]})
     assert r.prompt_tokens == 4 and r.max_output_tokens is None and r.output_field == "max_tokens"
+
+
+@pytest.mark.parametrize("endpoint,fields,field,cap", [
+    # chat: max_completion_tokens wins when set (vLLM ChatCompletionRequest)
+    ("chat", {"max_completion_tokens": 50, "max_tokens": 70}, "max_completion_tokens", 50),
+    ("chat", {"max_completion_tokens": None, "max_tokens": 100}, "max_tokens", 100),
+    ("chat", {"max_tokens": 100}, "max_tokens", 100),
+    ("chat", {}, "max_tokens", None),
+    # completions: vLLM reads max_tokens only
+    ("completions", {"max_tokens": 3000, "max_completion_tokens": 1}, "max_tokens", 3000),
+    ("completions", {"max_completion_tokens": 5}, "max_tokens", None),
+    ("completions", {"max_tokens": None, "max_completion_tokens": 5}, "max_tokens", None),
+])
+def test_output_cap_is_the_field_the_engine_reads(endpoint, fields, field, cap):
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat"
+            else {"prompt": "hi"})
+    r = parse_request(endpoint, {"model": "m", **base, **fields})
+    assert (r.output_field, r.max_output_tokens) == (field, cap)
+    assert output_cap(endpoint, r.body) == (field, cap)
+
+
+@pytest.mark.parametrize("endpoint,fields,n", [
+    ("chat", {}, 1), ("chat", {"n": 10}, 10), ("completions", {"n": 2, "best_of": 5}, 5),
+    ("completions", {"prompt": ["a"] * 8}, 8), ("completions", {"prompt": ["a"] * 8, "n": 3}, 24),
+    ("completions", {"prompt": [[1, 2], [3]], "n": 2}, 4), ("completions", {"prompt": [1, 2]}, 1),
+])
+def test_sequences_count_every_generated_output(endpoint, fields, n):
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat"
+            else {"prompt": "hi"})
+    assert parse_request(endpoint, {"model": "m", **base, **fields}).sequences == n
 
 
 @pytest.mark.parametrize("body,param", [
@@ -87,6 +136,17 @@ def test_shipped_config_is_valid():
     assert cfg.gateway.max_body_bytes == 8 * 1024 * 1024
     assert cfg.engines.model_names() == ["gemma3-270m"]
     assert cfg.tenants.allow_anonymous
+
+
+def test_an_empty_config_file_is_an_error_not_the_defaults(tmp_path):
+    for kind, hint in (("tenants", "tenants: []"), ("gateway", "{}")):
+        p = tmp_path / f"{kind}.yaml"
+        p.write_text("# being rewritten\n")
+        with pytest.raises(ConfigError) as e:
+            load_file(kind, p)
+        assert str(p) in str(e.value) and "empty" in str(e.value) and hint in str(e.value)
+        p.write_text(hint + "\n")
+        load_file(kind, p)  # written explicitly: valid
 
 
 def test_config_errors_name_file_field_and_value(tmp_path):

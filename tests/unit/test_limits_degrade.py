@@ -1,71 +1,69 @@
-"""The degradation ladder: each rung, and the output-length field the client used."""
+"""The degradation ladder decides (rungs, shed); the gateway applies a rung on the
+output-length field the engine reads (``InferenceRequest.apply``)."""
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
 from config.schema import DegradationConfig
-from limits.degrade import degrade
-from limits.outcome import Outcome, Rejected
+from gateway.openai_api import InferenceRequest, parse_request
+from limits.degrade import Rung, ladder, shed
+from limits.outcome import Outcome
 
 FULL = DegradationConfig(max_tokens_cap=256, fallback_model="small")
-BODY = {"model": "big", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}
+MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-def test_level_zero_changes_nothing() -> None:
-    d = degrade(BODY, priority="batch", config=FULL, level=0, retry_after_s=3)
-    assert d.body == BODY and d.actions == () and d.header is None
+def chat(**fields: Any) -> InferenceRequest:
+    return parse_request("chat", {"model": "big", "messages": MESSAGES, **fields})
 
 
-def test_rung_one_caps_max_tokens() -> None:
-    d = degrade(BODY, priority="standard", config=FULL, level=1, retry_after_s=3)
-    assert d.body["max_tokens"] == 256 and "max_completion_tokens" not in d.body
-    assert d.body["model"] == "big" and d.header == "max_tokens=256"
-    assert BODY["max_tokens"] == 1000  # the input is not modified
+def test_ladder_lists_the_configured_rungs_in_order() -> None:
+    assert ladder(FULL, "batch") == (Rung(cap_output=256), Rung(fallback_model="small"))
+    assert ladder(DegradationConfig(fallback_model="small"), "standard") == (
+        Rung(fallback_model="small"),)
+    assert ladder(DegradationConfig(), "batch") == ()
 
 
-def test_cap_goes_on_max_completion_tokens_when_the_client_used_it() -> None:
-    body = {"model": "big", "max_completion_tokens": 900}
-    d = degrade(body, priority="batch", config=FULL, level=1, retry_after_s=3)
-    assert d.body == {"model": "big", "max_completion_tokens": 256}
+def test_priorities_not_sheddable_get_no_rungs() -> None:
+    assert ladder(FULL, "interactive") == ()
 
 
-def test_both_fields_never_reach_the_engine() -> None:
-    body = {"model": "big", "max_completion_tokens": 100, "max_tokens": 5000}
-    d = degrade(body, priority="batch", config=FULL, level=1, retry_after_s=3)
-    assert d.body == {"model": "big", "max_completion_tokens": 100}
-    assert d.actions == ("max_completion_tokens=100",)
+def test_shed_is_overloaded_with_retry_after() -> None:
+    e = shed("big", "batch", 4.0)
+    assert e.outcome is Outcome.OVERLOADED and e.reason == "shed" and e.retry_after_s == 4.0
+    assert "big" in e.message and "batch" in e.message
 
 
-def test_missing_limit_gets_the_cap_and_a_smaller_one_is_kept() -> None:
-    d = degrade({"model": "big"}, priority="batch", config=FULL, level=1, retry_after_s=3)
-    assert d.body["max_tokens"] == 256
-    small = {"model": "big", "max_tokens": 50}
-    d = degrade(small, priority="batch", config=FULL, level=1, retry_after_s=3)
-    assert d.body == small and d.actions == ()
+def test_cap_lowers_a_larger_cap_on_the_field_the_engine_reads() -> None:
+    r = chat(max_tokens=1000)
+    assert r.apply(Rung(cap_output=256)) == "max_tokens=256"
+    assert r.body["max_tokens"] == 256 and "max_completion_tokens" not in r.body
 
 
-def test_rung_two_routes_to_the_fallback_and_keeps_the_cap() -> None:
-    d = degrade(BODY, priority="batch", config=FULL, level=2, retry_after_s=3)
-    assert d.body["model"] == "small" and d.body["max_tokens"] == 256
-    assert d.header == "max_tokens=256, model=small"
+def test_cap_on_chat_goes_on_max_completion_tokens_and_drops_max_tokens() -> None:
+    r = chat(max_completion_tokens=900, max_tokens=5000)
+    assert r.apply(Rung(cap_output=256)) == "max_completion_tokens=256"
+    assert r.body["max_completion_tokens"] == 256 and "max_tokens" not in r.body
 
 
-def test_rung_three_sheds() -> None:
-    with pytest.raises(Rejected) as exc:
-        degrade(BODY, priority="batch", config=FULL, level=3, retry_after_s=4)
-    assert exc.value.outcome is Outcome.OVERLOADED and exc.value.reason == "shed"
-    assert exc.value.retry_after_s == 4
+def test_cap_on_completions_goes_on_max_tokens_which_vllm_reads() -> None:
+    r = parse_request("completions", {"model": "big", "prompt": "x", "max_tokens": 3000,
+                                      "max_completion_tokens": 1})
+    assert r.max_output_tokens == 3000
+    assert r.apply(Rung(cap_output=256)) == "max_tokens=256"
+    assert r.body["max_tokens"] == 256 and r.max_output_tokens == 256
 
 
-def test_unconfigured_rungs_are_skipped() -> None:
-    only_fallback = DegradationConfig(fallback_model="small")
-    d = degrade(BODY, priority="batch", config=only_fallback, level=1, retry_after_s=3)
-    assert d.body["model"] == "small" and d.body["max_tokens"] == 1000
-    with pytest.raises(Rejected):
-        degrade(BODY, priority="batch", config=DegradationConfig(), level=1, retry_after_s=3)
+def test_cap_sets_a_missing_cap_and_keeps_a_lower_one() -> None:
+    r = chat()
+    assert r.apply(Rung(cap_output=256)) == "max_tokens=256" and r.max_output_tokens == 256
+    low = chat(max_tokens=100)
+    assert low.apply(Rung(cap_output=256)) is None and low.body["max_tokens"] == 100
 
 
-def test_priorities_not_sheddable_are_never_degraded() -> None:
-    d = degrade(BODY, priority="interactive", config=FULL, level=5, retry_after_s=3)
-    assert d.body == BODY and d.header is None
+def test_fallback_routes_to_the_other_model_once() -> None:
+    r = chat(max_tokens=10)
+    assert r.apply(Rung(fallback_model="small")) == "model=small"
+    assert r.model == "small" and r.body["model"] == "small"
+    assert r.apply(Rung(fallback_model="small")) is None

@@ -10,7 +10,7 @@ from config.schema import TenantQuota
 from limits.clock import MonotonicClock
 from limits.memory_store import MemoryStore
 from limits.outcome import Outcome, Rejected
-from limits.rate_limit import RateLimiter
+from limits.rate_limit import RateLimiter, Sizing, reservation_size
 
 
 class ManualClock:
@@ -70,9 +70,61 @@ async def test_tokens_per_min_and_retry_after(limiter: RateLimiter) -> None:
     await limiter.reserve(t, 200, request_id="fits")
 
 
-async def test_request_larger_than_the_budget_is_rejected_up_front(limiter: RateLimiter) -> None:
-    e = await rejection(limiter.reserve(tenant(tokens_per_min=100), 101, request_id="x"))
-    assert e.reason == "tokens_per_min" and "lower max_tokens" in e.message
+async def test_request_larger_than_the_budget_is_never_admitted_nor_told_to_retry(
+        limiter: RateLimiter) -> None:
+    with pytest.raises(Rejected) as exc:
+        await limiter.reserve(tenant(tokens_per_min=100), 101, request_id="x")
+    e = exc.value
+    assert e.outcome is Outcome.EXCEEDS_QUOTA and e.outcome.status == 400
+    assert e.retry_after_s is None and not e.outcome.needs_retry_after
+    assert e.reason == "tokens_per_min" and "never" in e.message
+    assert limiter.open_reservations == 0
+
+
+def size(t: TenantQuota, prompt: int, cap: int | None, sequences: int = 1) -> Sizing:
+    return reservation_size(t, prompt_tokens=prompt, output_cap=cap, sequences=sequences,
+                            default_output_tokens=256, output_param="max_completion_tokens",
+                            prompt_param="messages")
+
+
+def test_no_cap_reserves_the_default_lowered_to_what_the_budget_can_hold() -> None:
+    assert size(tenant(), 50, None) == Sizing(50, 256)  # no tokens/min limit
+    assert size(tenant(tokens_per_min=10_000), 50, None) == Sizing(50, 256)
+    assert size(tenant(tokens_per_min=200), 50, None) == Sizing(50, 150)
+    assert size(tenant(tokens_per_min=200), 50, None, sequences=4) == Sizing(50, 148)
+
+
+def test_explicit_cap_times_sequences_is_reserved() -> None:
+    assert size(tenant(tokens_per_min=1000), 20, 50, sequences=10) == Sizing(20, 500)
+    assert size(tenant(), 20, 50, sequences=10).total == 520
+
+
+@pytest.mark.parametrize("prompt,cap,sequences,param", [
+    (20, 190, 1, "max_completion_tokens"),  # explicit cap too large
+    (20, 50, 10, "max_completion_tokens"),  # n × cap too large
+    (200, None, 1, "messages"),  # the prompt alone fills the budget
+    (150, None, 60, "messages"),  # not even one output token per sequence fits
+])
+def test_a_request_that_can_never_fit_names_the_field_and_promises_no_retry(
+        prompt: int, cap: int | None, sequences: int, param: str) -> None:
+    with pytest.raises(Rejected) as exc:
+        size(tenant(tokens_per_min=200), prompt, cap, sequences)
+    e = exc.value
+    assert e.outcome is Outcome.EXCEEDS_QUOTA and e.retry_after_s is None
+    assert e.param == param and "200 tokens per minute" in e.message
+    assert "max_tokens'" not in e.message
+
+
+async def test_open_reservations_and_held_slots_return_to_zero(limiter: RateLimiter) -> None:
+    t = tenant(tokens_per_min=1000, max_concurrent=2)
+    async with await limiter.reserve(t, 100, request_id="a") as r:
+        assert limiter.open_reservations == 1 and limiter.held_slots == 1
+        await r.settle(80)
+        assert limiter.open_reservations == 1  # settled, slot still held
+    assert limiter.open_reservations == 0 and limiter.held_slots == 0
+    async with await limiter.reserve(t, 0, request_id="hit", concurrency=False):
+        assert limiter.open_reservations == 1 and limiter.held_slots == 0
+    assert limiter.open_reservations == 0
 
 
 async def test_settle_refunds_unused_tokens(limiter: RateLimiter) -> None:

@@ -169,3 +169,16 @@ def test_gemma_template_and_tokenizer_match_transformers(capsys) -> None:
     with capsys.disabled():
         print(f"\nprompt tokens (gemma tokenizer): "
               f"{(time.perf_counter() - t0) / n * 1e6:.0f} µs per request")
+
+
+def test_tokenizer_field_chooses_the_encoder(tmp_path) -> None:
+    sim = engines_cfg("sim").engines[0]
+    assert sim.tokenizer_source == "fallback"
+    (tmp_path / "tokenizer.json").write_text("{}")
+    own = sim.model_copy(update={"tokenizer": str(tmp_path)})
+    assert local_model_folder(own) == tmp_path  # a sim engine may name a real tokenizer
+    vllm = engines_cfg("vllm").engines[0]
+    assert vllm.tokenizer_source == vllm.model_path
+    forced = vllm.model_copy(update={"tokenizer": "fallback"})
+    assert local_model_folder(forced) is None
+    assert isinstance(encoder_for(forced), FallbackEncoder)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from config.schema import EnginesConfig, PluginConfig, SchedulerConfig
+from config.schema import EnginesConfig, FilterConfig, PickerConfig, SchedulerConfig, ScorerConfig
 from engines.plugins import (
     FILTERS,
     PICKERS,
@@ -55,12 +55,12 @@ def test_engine_load_takes_the_larger_view() -> None:
 
 def test_kv_watermark_keeps_engines_under_it() -> None:
     es = [eng("a", usage=0.5), eng("b", usage=0.85), eng("c", usage=None)]
-    assert [e.id for e in KvWatermark(0.8).filter(REQ, es, 0)] == ["a", "c"]
-    assert KvWatermark(0.8).filter(REQ, [eng("b", usage=0.95)], 0) == []
+    assert [e.id for e in KvWatermark(KvWatermark.Params(watermark=0.8)).filter(REQ, es, 0)] == ["a", "c"]
+    assert KvWatermark(KvWatermark.Params(watermark=0.8)).filter(REQ, [eng("b", usage=0.95)], 0) == []
 
 
 def test_load_guard_drops_only_outliers() -> None:
-    g = LoadGuard(abs_threshold=2, rel_threshold=0.5)
+    g = LoadGuard(LoadGuard.Params(abs_threshold=2, rel_threshold=0.5))
     es = [eng("a", 10), eng("b", 14), eng("c", 16)]  # limit 10 + max(2, 5) = 15
     assert [e.id for e in g.filter(REQ, es, 0)] == ["a", "b"]
     es = [eng("a", 0), eng("b", 2), eng("c", 3)]  # limit 0 + 2
@@ -93,9 +93,9 @@ def test_session_affinity_and_round_robin() -> None:
 
 
 def cfg(filters=(), scorers=(), picker="max-score") -> SchedulerConfig:
-    return SchedulerConfig(filters=[PluginConfig(type=f) for f in filters],
-                           scorers=[PluginConfig(type=t, weight=w) for t, w in scorers],
-                           picker=PluginConfig(type=picker))
+    return SchedulerConfig(filters=[FilterConfig(type=f) for f in filters],
+                           scorers=[ScorerConfig(type=t, weight=w) for t, w in scorers],
+                           picker=PickerConfig(type=picker))
 
 
 def test_scheduler_routes_repeated_prefix_to_the_same_engine() -> None:
@@ -154,4 +154,4 @@ def test_shipped_policy_builds_and_documents_weights() -> None:
     assert {"prefix-affinity", "queue-depth", "kv-cache-usage", "session-affinity",
             "kv-watermark", "load-guard"} <= types
     assert "weight" in path.read_text() and "#" in path.read_text()
-    assert build_filter(PluginConfig(type="load-guard", params={"abs_threshold": 1}))
+    assert build_filter(FilterConfig(type="load-guard", params={"abs_threshold": 1}))
