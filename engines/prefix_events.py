@@ -11,9 +11,18 @@ also when the gateway's block size differs from the engine's. The ``cache_salt``
 engine hashed into the first block comes back in that block's ``extra_keys`` and
 salts the chain's root, as the gateway salts its own.
 
+Hybrid models keep one KV-cache group per attention type (Gemma 3: full-attention
+and sliding-window layers), and vLLM publishes each group's stores and removals
+with its ``group_idx`` and the *same* block hashes. A sliding-window group holds
+only the blocks inside its window: its ``BlockStored`` lists fewer hashes than the
+token ids cover (out-of-window blocks are null, ``cache_full_blocks`` skips them)
+and it removes blocks the full-attention group keeps. The index therefore keeps
+each group apart and, once a group shows a partial store, drops it: a prefix hit
+needs the whole prefix in the full-attention group(s).
+
 Matching (:meth:`EventPrefixIndex.match`) counts the longest run of the prompt's
-blocks held, from the start, as vLLM's ``find_longest_cache_hit`` does. Two other
-indexes complete it:
+blocks held (by every full group), from the start, as vLLM's
+``find_longest_cache_hit`` does. Two other indexes complete it:
 
 * a short-lived *predicted-on-route* index (:class:`~engines.prefix.PrefixIndex`
   with ``predicted_ttl_s``): a request just routed is not yet in the engine's
@@ -59,11 +68,22 @@ class _Block:
 
 
 @dataclass
+class _Group:
+    """One KV-cache group's blocks (engine hash → block) and gateway keys held."""
+
+    blocks: OrderedDict[ExternalBlockHash, _Block] = field(default_factory=OrderedDict)
+    keys: dict[int, int] = field(default_factory=dict)  # gateway key -> engine blocks
+
+
+@dataclass
 class _EngineCache:
     generation: int
     synced: bool = False
-    blocks: OrderedDict[ExternalBlockHash, _Block] = field(default_factory=OrderedDict)
-    keys: dict[int, int] = field(default_factory=dict)  # gateway key -> engine blocks
+    groups: dict[int | None, _Group] = field(default_factory=dict)
+    partial: set[int | None] = field(default_factory=set)  # sliding-window groups
+
+    def full_groups(self) -> list[_Group]:
+        return [g for gid, g in self.groups.items() if gid not in self.partial]
 
 
 def event_salt(ev: BlockStored) -> str | None:
@@ -118,8 +138,9 @@ class EventPrefixIndex:
         return self._total
 
     def entries(self, engine_id: str) -> int:
+        """Precise entries of ``engine_id`` (engine blocks, all groups)."""
         c = self._engines.get(engine_id)
-        return len(c.blocks) if c else 0
+        return sum(len(g.blocks) for g in c.groups.values()) if c else 0
 
     def synced(self, engine: Engine) -> bool:
         c = self._engines.get(engine.id)
@@ -134,12 +155,13 @@ class EventPrefixIndex:
         c = self._cache(engine)
         if c is None or not c.synced:
             return self.approximate.match(engine, blocks, now)
-        held = c.keys
+        held = [g.keys for g in c.full_groups()]
         n = 0
-        for h in blocks:
-            if h not in held:
-                break
-            n += 1
+        if held:
+            for h in blocks:
+                if not all(h in keys for keys in held):
+                    break
+                n += 1
         if n == len(blocks):
             return n
         return max(n, self.predicted.match(engine, blocks, now))
@@ -155,7 +177,7 @@ class EventPrefixIndex:
         self.predicted.forget(engine_id)
         c = self._engines.pop(engine_id, None)
         if c is not None:
-            self._total -= len(c.blocks)
+            self._reset(c)
 
     # ---------------------------------------------------------------- events
 
@@ -163,12 +185,23 @@ class EventPrefixIndex:
         c = self._cache(engine, create=True)
         assert c is not None
         for ev in events:
-            if isinstance(ev, BlockStored):
-                self._stored(c, ev)
-            elif isinstance(ev, BlockRemoved):
-                self._removed(c, ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
+            if isinstance(ev, AllBlocksCleared):
                 self._reset(c)
+                continue
+            if ev.group_idx in c.partial:
+                continue
+            g = c.groups.get(ev.group_idx)
+            if g is None:
+                g = c.groups[ev.group_idx] = _Group()
+            if isinstance(ev, BlockStored):
+                if len(ev.block_hashes) * ev.block_size != len(ev.token_ids):
+                    c.partial.add(ev.group_idx)  # a sliding-window group: not a prefix
+                    self._total -= len(g.blocks)
+                    del c.groups[ev.group_idx]
+                    continue
+                self._stored(g, ev)
+            elif isinstance(ev, BlockRemoved):
+                self._removed(g, ev.block_hashes)
         self._trim()
 
     def clear(self, engine: Engine) -> None:
@@ -194,11 +227,10 @@ class EventPrefixIndex:
         return c
 
     def _reset(self, c: _EngineCache) -> None:
-        self._total -= len(c.blocks)
-        c.blocks.clear()
-        c.keys.clear()
+        self._total -= sum(len(g.blocks) for g in c.groups.values())
+        c.groups.clear()
 
-    def _stored(self, c: _EngineCache, ev: BlockStored) -> None:
+    def _stored(self, c: _Group, ev: BlockStored) -> None:
         if ev.parent_block_hash is None:
             tail, pending, salt = None, _EMPTY, event_salt(ev)
         else:
@@ -226,7 +258,7 @@ class EventPrefixIndex:
             for k in keys:
                 c.keys[k] = c.keys.get(k, 0) + 1
 
-    def _removed(self, c: _EngineCache, hashes: Sequence[ExternalBlockHash]) -> None:
+    def _removed(self, c: _Group, hashes: Sequence[ExternalBlockHash]) -> None:
         for h in hashes:
             b = c.blocks.get(h)
             if b is None:
@@ -235,7 +267,7 @@ class EventPrefixIndex:
             if b.count <= 0:
                 self._drop(c, h)
 
-    def _drop(self, c: _EngineCache, h: ExternalBlockHash) -> None:
+    def _drop(self, c: _Group, h: ExternalBlockHash) -> None:
         b = c.blocks.pop(h)
         self._total -= 1
         for k in b.keys:
@@ -247,6 +279,7 @@ class EventPrefixIndex:
 
     def _trim(self) -> None:
         while self._total > self.max_entries:
-            largest = max(self._engines.values(), key=lambda x: len(x.blocks))
+            largest = max((g for c in self._engines.values() for g in c.groups.values()),
+                          key=lambda x: len(x.blocks))
             for _ in range(min(self._total - self.max_entries, len(largest.blocks))):
                 self._drop(largest, next(iter(largest.blocks)))

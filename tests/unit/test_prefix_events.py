@@ -117,6 +117,28 @@ def test_memory_cap_and_entry_size():
     assert idx.match(e, chain_block_hashes(tokens, 4), 0.0) == 4
 
 
+def test_sliding_window_groups_are_left_out():
+    """vLLM 0.32 on Gemma 3 (seen on the CPU build): per step one BlockStored per
+    KV-cache group with the same hashes; the sliding-window groups list only the
+    blocks inside their window (4 of 9 here) over all 9 blocks' tokens, and remove
+    blocks the full-attention group keeps."""
+    e = Engine("e", "m", "http://x")
+    idx = synced_index(e)
+    tokens = list(range(36))
+    mine = chain_block_hashes(tokens, 4)
+    window = stored([5, 6, 7, 8], tokens, 4)
+    window.group_idx = 1
+    full = stored(list(range(9)), tokens, 4)
+    full.group_idx = 0
+    idx.apply(e, [window, full])
+    assert idx.match(e, mine, 0.0) == 9 and idx.entries("e") == 9
+    slid = BlockRemoved([5], "GPU", group_idx=1)  # left the window, still cached in group 0
+    idx.apply(e, [slid])
+    assert idx.match(e, mine, 0.0) == 9
+    idx.apply(e, [BlockRemoved([5], "GPU", group_idx=0)])
+    assert idx.match(e, mine, 0.0) == 5
+
+
 def test_event_salt_skips_lora_name():
     ev = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2], block_size=2,
                      lora_id=3, medium=None, lora_name="adapter", extra_keys=[("adapter", "salt")])
@@ -150,7 +172,7 @@ def test_index_follows_simulator_cache_exactly():
         sched.commit(sched.schedule(), 0.0)
         idx.apply(e, kv.take_events())
     assert kv.evictions > 0
-    held = set(idx._engines["e"].keys)
+    held = set(idx._engines["e"].groups[None].keys)
     assert held == set(kv._cached)
     for r in reqs[-10:]:
         want = len(kv.longest_prefix(r.block_hashes, 10**9))
