@@ -268,6 +268,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sim-profile", default="h200-llama3-8b")
     p.add_argument("--sim-num-blocks", type=int, default=200_000,
                    help="KV blocks per simulated engine")
+    p.add_argument("--sim-max-model-len", type=int,
+                   help="override the profile's max_model_len (a smaller KV cache needs it)")
     p.add_argument("--sim-speed", type=float,
                    help="simulated seconds per wall second (default 1 / --time-scale)")
     p.add_argument("--index-bytes", type=int, default=512 << 20,
@@ -346,6 +348,8 @@ def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
     speed = args.sim_speed or 1.0 / args.time_scale
     sim_args = ["--profile", args.sim_profile, "--num-blocks", str(args.sim_num_blocks),
                 "--speed", f"{speed:g}", "--enable-prompt-tokens-details"]
+    if args.sim_max_model_len:
+        sim_args += ["--max-model-len", str(args.sim_max_model_len)]
     folder = Path(args.config_out or tempfile.mkdtemp(prefix="sluice-bench-"))
     write_sim_config(folder, args.engines, args.policy, args.model, sim_args, args.index_bytes,
                      args.prefix_source)
