@@ -41,6 +41,10 @@ def _external_base_url(url: str) -> str:
     return base.removesuffix("/v1")
 
 
+#: Launched kinds that publish vLLM's KV-cache events with ``--kv-events-config``.
+KV_EVENT_KINDS = frozenset({"vllm", "sim"})
+
+
 def kv_events_flag(engine_id: str, host: str, taken: set[int]) -> tuple[EventsEndpoint, list[str]]:
     """vLLM's ``--kv-events-config`` for a launched engine on ``host``: a PUB and a
     replay port, free and not in ``taken`` (both added to it), topic ``kv@<id>``.
@@ -157,7 +161,7 @@ class Supervisor:
                 engine = Engine(id=engine_id, model=spec.model, base_url=base_url,
                                 breaker=breaker, labels={"spec": spec.name, "kind": spec.kind})
                 extra: list[str] = []
-                if events and command is not None:
+                if events and spec.kind in KV_EVENT_KINDS:
                     engine.kv_events, extra = kv_events_flag(engine_id, spec.host, taken)
                 elif events and spec.kv_events is not None:
                     ev = spec.kv_events
