@@ -28,6 +28,7 @@ from pydantic import (
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 Priority = Literal["interactive", "standard", "batch"]
+EngineRole = Literal["prefill", "decode", "both"]
 #: Priority bands, most urgent first; the index is the band number used by queues.
 PRIORITIES: tuple[Priority, ...] = ("interactive", "standard", "batch")
 
@@ -235,6 +236,15 @@ class EngineSpec(_Strict):
     launches ``python -m loadtest.sim_engine``), ``external`` (only probed and routed
     to at ``url``). ``port`` or ``port_range`` [first, last] for launched kinds; with
     neither, free ports are chosen. ``tokenizer``: see :attr:`tokenizer_source`.
+
+    ``role`` (prefill–decode disaggregation): ``prefill`` engines take the prefill leg
+    of split requests and nothing else, ``decode`` engines the decode leg and whole
+    requests the gateway chooses not to split, ``both`` (the default) the same as
+    ``decode`` — for the simulator and vLLM it means a connector that both sends and
+    receives (``kv_both``). ``kv_connector``
+    names the KV connector the engine moves blocks with (vLLM's
+    ``--kv-transfer-config`` ``kv_connector``, e.g. ``NixlConnector``); a role other
+    than ``both`` needs one.
     """
 
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -258,6 +268,8 @@ class EngineSpec(_Strict):
         f"{FALLBACK_TOKENIZER!r} (the simulator's tokenizer), a folder with tokenizer.json, "
         f"or 'packaged:gemma3-270m'; None: model_path for kind vllm, {FALLBACK_TOKENIZER!r} "
         f"otherwise")
+    role: EngineRole = "both"
+    kv_connector: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
 
     @property
     def accepts_cache_salt(self) -> bool:
@@ -287,6 +299,8 @@ class EngineSpec(_Strict):
         if self.kv_events is not None and self.kind != "external":
             raise ValueError("kv_events is for external engines; launched engines get "
                              "their endpoints from the gateway")
+        if self.role != "both" and self.kv_connector is None:
+            raise ValueError(f"role {self.role} needs kv_connector (how the KV cache moves)")
         return self
 
 
@@ -440,12 +454,41 @@ class SaturationConfig(_Strict):
         return self
 
 
+class DisaggregationConfig(_Strict):
+    """Prefill–decode disaggregation: whether and where the gateway splits a request
+    into a prefill leg and a decode leg (only for models with ``role: prefill``
+    engines; ``gateway.disagg``).
+
+    ``policy``: ``predicted`` chooses per request from predicted TTFT (prefill wait +
+    uncached prefill + KV transfer + decode-engine wait), running the prompt on a
+    decode engine instead when that is sooner and stalls that engine's running
+    streams by at most ``max_decode_stall_ms``; ``threshold`` splits every prompt of
+    at least ``threshold_tokens`` tokens (the fixed threshold, the baseline).
+    ``max_decode_stall_ms`` bounds the prefill backlog a busy decode engine may take
+    on, hence the longest inter-token gap its streams see from local prefills.
+    ``kv_bytes_per_token`` (2 × layers × KV heads × head dim × dtype bytes) and
+    ``transfer_gbps`` give the predicted transfer time (None: not counted).
+    ``prefill_tokens_per_s`` is each engine's prefill speed until the gateway has
+    observed it.
+    """
+
+    policy: Literal["predicted", "threshold"] = "predicted"
+    threshold_tokens: int = Field(512, ge=1, description="split prompts this long, tokens")
+    max_decode_stall_ms: float = Field(
+        200.0, ge=0, description="largest predicted prefill backlog on a busy decode engine, ms")
+    kv_bytes_per_token: int | None = Field(None, ge=1, description="bytes of KV per token")
+    transfer_gbps: float = Field(100.0, gt=0, description="KV transfer bandwidth, Gbit/s")
+    prefill_tokens_per_s: float = Field(
+        10_000.0, gt=0, description="prior prefill speed per engine, tokens/s")
+
+
 class EnginesConfig(_Strict):
     engines: list[EngineSpec] = Field(default_factory=list)
     models: list[ModelConfig] = Field(default_factory=list)
     scheduler: SchedulerConfig = SchedulerConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
     saturation: SaturationConfig = SaturationConfig()
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
 
     @model_validator(mode="after")
     def _unique(self) -> EnginesConfig:

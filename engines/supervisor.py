@@ -159,7 +159,8 @@ class Supervisor:
                                          open_s=sup.probe_interval_s + sup.probe_timeout_s,
                                          clock=self.clock)
                 engine = Engine(id=engine_id, model=spec.model, base_url=base_url,
-                                breaker=breaker, labels={"spec": spec.name, "kind": spec.kind})
+                                breaker=breaker, labels={"spec": spec.name, "kind": spec.kind,
+                                                        "role": spec.role})
                 extra: list[str] = []
                 if events and spec.kind in KV_EVENT_KINDS:
                     engine.kv_events, extra = kv_events_flag(engine_id, spec.host, taken)

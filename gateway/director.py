@@ -20,9 +20,10 @@ from cache.policy import request_cacheable
 from cache.replay import as_json, as_sse
 from cache.service import CacheHit, CacheRequest, ResponseCache
 from config.schema import Config, DegradationConfig, TenantQuota
-from engines.pool import EnginePool
+from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, PromptInput, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
+from gateway.disagg import Disaggregator, PrefillLeg
 from gateway.keys import RECORD, TENANT
 from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_request
 from gateway.placement import Need, Placement, Placer
@@ -43,6 +44,9 @@ STREAM_LOSSY = frozenset({"logprobs", "top_logprobs", "tools", "functions"})
 #: Retry-After, s, when no engine serving the model is ready (engines restart with
 #: backoff starting at 1 s; a few seconds is the honest order of magnitude).
 NO_ENGINE_RETRY_S = 5
+#: Response header naming a split request's prefill engine (``x-sluice-engine``
+#: names the engine that streamed the answer).
+PREFILL_ENGINE_HEADER = "x-sluice-prefill-engine"
 #: Response header: prompt tokens the prefix index predicted cached on the chosen
 #: engine, per index (``events=N, approximate=M``); the replay benchmark compares it
 #: with the engine's ``usage.prompt_tokens_details.cached_tokens``.
@@ -98,12 +102,17 @@ class Director:
         self.queues = queues
         self.cache = cache
         self.clock = clock
-        self.placer = Placer(pool=pool, scheduler=scheduler, detector=detector, clock=clock)
+        #: prefill–decode disaggregation, for models with prefill engines
+        self.split_models = frozenset(s.model for s in cfg.engines.engines if s.role == "prefill")
+        disagg = Disaggregator(cfg.engines.disaggregation, clock.now)
+        self.placer = Placer(pool=pool, scheduler=scheduler, detector=detector, clock=clock,
+                             disagg=disagg, split_models=self.split_models)
         #: each served model's degradation ladder (model_settings builds a pydantic
         #: object per call, too costly per request)
         self._degradation: dict[str, DegradationConfig] = {
             m: cfg.engines.model_settings(m).degradation for m in queues}
         self.spans = spans or Spans(None)
+        self.prefill_leg = PrefillLeg(client, disagg.speed, self.spans)
         self.prompts = prompts or PromptBlocks(cfg.engines, pool)
         #: models whose every engine accepts vLLM's ``cache_salt``
         self._salted = {m for m in cfg.engines.model_names()
@@ -172,7 +181,7 @@ class Director:
                              prompt_tokens=req.prompt_tokens, priority=tenant.priority,
                              blocks=req.blocks, block_size=self.prompts.block_size(req.model),
                              session_id=request.headers.get("x-session-id") or None)
-        return Need(sched, tenant.priority, self._kv_tokens(req))
+        return Need(sched, tenant.priority, self._kv_tokens(req), splittable=req.sequences == 1)
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
         return Rejected(Outcome.NO_ENGINE,
@@ -351,11 +360,26 @@ class Director:
                                           Placement.release)
             finally:
                 rec.queue_s = self.clock.now() - waited_from
+        prefilled: Engine | None = None
+        if first.prefill is not None:
+            split_from = self.clock.now()
+            try:
+                req, prefilled = await self.prefill_leg.run(
+                    self.placer.prefill_attempts(first, need, self.cfg.gateway.retry_attempts),
+                    req, request, rec.request_id, first.uncached)
+            except asyncio.CancelledError:
+                rec.prompt_tokens = req.prompt_tokens  # the prefill engine computed it
+                first.release()
+                raise
+            except BaseException:
+                first.release()
+                raise
+            rec.prefill_s = self.clock.now() - split_from
         failed: UpstreamFailed | None = None
         for placement in self.placer.attempts(first, need, self.cfg.gateway.retry_attempts):
             async with placement:
                 try:
-                    result = await self._send(request, req, rec, placement)
+                    result = await self._send(request, req, rec, placement, prefilled)
                 except UpstreamFailed as e:
                     if e.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
                         placement.engine.breaker.record(False)
@@ -372,8 +396,10 @@ class Director:
         raise self._final_error(req, failed)
 
     async def _send(self, request: web.Request, req: InferenceRequest, rec: RequestRecord,
-                    placement: Placement) -> ProxyResult:
-        """One upstream attempt on ``placement``'s engine; fills ``rec`` on success.
+                    placement: Placement, prefilled: Engine | None) -> ProxyResult:
+        """One upstream attempt on ``placement``'s engine (the decode leg when
+        ``prefilled`` names the engine that ran the prefill leg); fills ``rec`` on
+        success, its TTFT counting both legs.
 
         Raises:
             UpstreamFailed: as :meth:`EngineClient.send`.
@@ -388,16 +414,23 @@ class Director:
                    "x-sluice-cache": rec.cache}
         if rec.degraded:
             headers[DEGRADED_HEADER] = ", ".join(rec.degraded)
+        if prefilled is not None:
+            headers[PREFILL_ENGINE_HEADER] = prefilled.id
         if placement.prefix_tokens:
             headers[PREFIX_TOKENS_HEADER] = ", ".join(
                 f"{k}={v}" for k, v in placement.prefix_tokens.items())
-        with self.spans("upstream", kind=SpanKind.CLIENT) as span:
+        # a whole request of a split model: its prompt is prefill queued on the engine
+        tracked = req.model in self.split_models and prefilled is None
+        with self.spans("upstream", kind=SpanKind.CLIENT) as span, \
+                self.placer.prefill_tracking(placement, tracked) as first_token:
             span.set_attribute("sluice.engine", placement.engine.id)
             upstream = {"x-request-id": rec.request_id}
             if self.spans.enabled:
                 inject_traceparent(upstream)
-            result = await self.client.send(placement.engine, req, request, headers, upstream)
-        rec.outcome, rec.ttft_s = result.outcome, result.ttft_s
+            result = await self.client.send(placement.engine, req, request, headers, upstream,
+                                            first_token)
+        rec.outcome = result.outcome
+        rec.ttft_s = None if result.ttft_s is None else (rec.prefill_s or 0.0) + result.ttft_s
         rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens
         rec.finish_reasons = result.finish_reasons
         return result

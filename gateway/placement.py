@@ -5,16 +5,24 @@ and the engine lease it holds while the upstream call runs.
 :meth:`Placer.place` while deciding which ticket goes next). A retry on another
 engine before the first byte is an iteration over :meth:`Placer.attempts`: each
 attempt is a fresh :class:`Placement` that excludes the engines already tried.
+
+For a model with ``role: prefill`` engines the first placement is the
+disaggregation choice (:mod:`gateway.disagg`): a lease on the decode engine and,
+when the request is split, one on its prefill engine; retries of the prefill leg
+iterate over :meth:`Placer.prefill_attempts`. Whole requests and decode legs go only
+to engines of role ``decode`` or ``both``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from config.schema import Priority
 from engines.pool import Engine, EngineLease, EnginePool
 from engines.scheduler import SchedRequest, Scheduler
+from gateway.disagg import Disaggregator, role, serves_whole
 from limits.interfaces import Clock
 from limits.saturation import SaturationDetector, kv_blocks
 
@@ -27,10 +35,16 @@ class Placement:
 
     ``async with placement:`` releases the lease on exit; :meth:`release` is
     idempotent, so the admission queue's undo and the exit may both run.
+
+    A split request also holds ``prefill``, the lease on its prefill engine (the
+    prompt's blocks), until its prefill leg ends; ``uncached`` is the prompt tokens
+    the first engine is predicted to compute.
     """
 
     lease: EngineLease
     scores: dict[str, float] = field(default_factory=dict)
+    prefill: EngineLease | None = None
+    uncached: int = 0
     prefix_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -43,6 +57,8 @@ class Placement:
 
     def release(self) -> None:
         self.lease.release()
+        if self.prefill is not None:
+            self.prefill.release()
 
     async def __aenter__(self) -> Placement:
         return self
@@ -59,11 +75,14 @@ class Need:
         sched: the scheduler's view (model, prompt blocks, session…).
         priority: the tenant's priority (the saturation check's reserve).
         tokens: KV-cache tokens it may occupy: prompt + output cap × sequences.
+        splittable: may be split into prefill and decode legs (one sequence: the
+            connector protocol carries one).
     """
 
     sched: SchedRequest
     priority: Priority
     tokens: int
+    splittable: bool = True
 
 
 class Placer:
@@ -74,21 +93,30 @@ class Placer:
         scheduler: picks one engine among the candidates and records dispatches.
         detector: whether an engine has room for a request (KV blocks, in-flight cap).
         clock: monotonic time, s (the metrics snapshots' clock).
+        disagg: the split choice, for the models in ``split_models`` (those with
+            prefill engines).
     """
 
     def __init__(self, *, pool: EnginePool, scheduler: Scheduler,
-                 detector: SaturationDetector, clock: Clock) -> None:
+                 detector: SaturationDetector, clock: Clock,
+                 disagg: Disaggregator | None = None,
+                 split_models: frozenset[str] = frozenset()) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.detector = detector
         self.clock = clock
+        self.disagg = disagg
+        self.split_models = split_models if disagg is not None else frozenset()
 
     def candidates(self, model: str, priority: Priority, tokens: int,
-                   exclude: frozenset[str] = frozenset()) -> list[Engine]:
-        """Ready engines of ``model`` not in ``exclude`` with room for ``tokens``."""
+                   exclude: frozenset[str] = frozenset(), *,
+                   prefill: bool = False) -> list[Engine]:
+        """Ready engines of ``model`` not in ``exclude`` with room for ``tokens``:
+        of role ``prefill`` for a prefill leg, else of role ``decode`` or ``both``."""
         now = self.clock.now()
         return [e for e in self.pool.for_model(model)
                 if e.routable and e.id not in exclude
+                and (role(e) == "prefill" if prefill else serves_whole(e))
                 and self.detector.admits(e, priority, tokens, now)]
 
     def place(self, need: Need, exclude: frozenset[str] = frozenset()) -> Placement | None:
@@ -98,13 +126,73 @@ class Placer:
         if not candidates:
             return None
         now = self.clock.now()
+        if need.sched.model in self.split_models and need.splittable and not exclude:
+            return self._place_split(need, candidates, now)
         decision = self.scheduler.pick(need.sched, candidates, now)
         if decision is None:
             return None
         blocks = kv_blocks(need.tokens, decision.engine.block_size)
         lease = self.pool.lease(decision.engine, blocks)
         self.scheduler.record(need.sched, decision.engine, now)
-        return Placement(lease, decision.scores, decision.prefix_tokens)
+        return Placement(lease, decision.scores, prefix_tokens=decision.prefix_tokens)
+
+    def _place_split(self, need: Need, candidates: list[Engine], now: float) -> Placement | None:
+        """The disaggregation choice among ``candidates`` (decode side) and the
+        prefill engines with room for the prompt; leases what it chose."""
+        assert self.disagg is not None
+        sched = need.sched
+        prefill = self.candidates(sched.model, need.priority, sched.prompt_tokens, prefill=True)
+        cached = ({e.id: self.scheduler.index.match(e, sched.blocks, now) * sched.block_size
+                   for e in (*candidates, *prefill)} if sched.blocks and sched.block_size else {})
+        choice = self.disagg.choose(sched.prompt_tokens, cached, candidates, prefill)
+        if choice is None:
+            return None
+        lease = self.pool.lease(choice.decode, kv_blocks(need.tokens, choice.decode.block_size))
+        self.scheduler.record(sched, choice.decode, now)
+        scores = {"pd_split": float(choice.prefill is not None),
+                  "pd_predicted_ttft_ms": choice.ttft_s * 1000}
+        placement = Placement(lease, scores, uncached=choice.uncached)
+        if choice.prefill is not None:
+            placement.prefill = self._lease_prefill(need, choice.prefill, now)
+        return placement
+
+    def _lease_prefill(self, need: Need, engine: Engine, now: float) -> EngineLease:
+        lease = self.pool.lease(engine, kv_blocks(need.sched.prompt_tokens, engine.block_size))
+        self.scheduler.record(need.sched, engine, now)  # its prefix cache will hold the prompt
+        return lease
+
+    def prefill_attempts(self, placement: Placement, need: Need,
+                         max_attempts: int) -> Iterator[EngineLease]:
+        """``placement.prefill``, then — each time the caller asks for another (its
+        prefill leg failed) — a lease on a prefill engine not tried yet with the
+        shortest predicted prefill queue, up to ``max_attempts`` in all; ends when
+        none has room. The caller releases each lease it receives (``with``)."""
+        assert self.disagg is not None
+        tried: set[str] = set()
+        lease = placement.prefill
+        while lease is not None:
+            tried.add(lease.engine.id)
+            yield lease
+            if len(tried) >= max_attempts:
+                return
+            others = self.candidates(need.sched.model, need.priority, need.sched.prompt_tokens,
+                                     frozenset(tried), prefill=True)
+            if not others:
+                return
+            best = min(others, key=self.disagg.speed.wait_s)
+            lease = placement.prefill = self._lease_prefill(need, best, self.clock.now())
+
+    @contextmanager
+    def prefill_tracking(self, placement: Placement,
+                         tracked: bool) -> Iterator[Callable[[], None] | None]:
+        """While a ``tracked`` whole request runs on ``placement``'s engine, count its
+        uncached prompt as queued prefill there (the split choice's prediction);
+        yields the first-token callback, or None when not tracked."""
+        if not tracked or self.disagg is None:
+            yield None
+            return
+        with self.disagg.speed.track(placement.engine, placement.uncached) as first_token:
+            yield first_token
 
     def attempts(self, first: Placement, need: Need, max_attempts: int) -> Iterator[Placement]:
         """``first``, then — each time the caller asks for another (its attempt failed

@@ -26,7 +26,7 @@ import email.utils
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,8 +227,11 @@ class EngineClient:
 
     async def send(self, engine: Engine, req: InferenceRequest, request: web.Request,
                    response_headers: Mapping[str, str],
-                   upstream_headers: Mapping[str, str] = {}) -> ProxyResult:
-        """Send ``req`` to ``engine`` and relay the answer to ``request``'s client.
+                   upstream_headers: Mapping[str, str] = {},
+                   on_first_token: Callable[[], None] | None = None) -> ProxyResult:
+        """Send ``req`` to ``engine`` and relay the answer to ``request``'s client;
+        ``on_first_token`` is called when the first output arrives (a stream's first
+        content event, a whole answer).
 
         Raises:
             UpstreamFailed: nothing was sent to the client yet (retry is safe).
@@ -251,9 +254,12 @@ class EngineClient:
             raise UpstreamFailed(Outcome.UPSTREAM_ERROR, f"engine {engine.id} failed: {e}",
                                  retryable=True) from None
         if not req.stream:
+            if on_first_token is not None:
+                on_first_token()
             return self._finish_json(req, raw, start, response_headers)
         try:
-            return await self._relay_stream(engine, req, resp, request, start, response_headers)
+            return await self._relay_stream(engine, req, resp, request, start, response_headers,
+                                            on_first_token)
         finally:
             resp.close()
 
@@ -276,7 +282,8 @@ class EngineClient:
 
     async def _relay_stream(self, engine: Engine, req: InferenceRequest,
                             resp: aiohttp.ClientResponse, request: web.Request, start: float,
-                            headers: Mapping[str, str]) -> ProxyResult:
+                            headers: Mapping[str, str],
+                            on_first_token: Callable[[], None] | None) -> ProxyResult:
         t = self.timeouts
         loop = asyncio.get_running_loop()
         end_at = loop.time() + t.total_s if t.total_s else float("inf")
@@ -306,6 +313,8 @@ class EngineClient:
                     if ttft is None and (summary.content_chunks or summary.finish_reasons):
                         ttft = time.perf_counter() - start
                         trace.get_current_span().add_event("first_token")
+                        if on_first_token is not None:
+                            on_first_token()
                     deadline.reschedule(min(
                         loop.time() + (t.first_token_s if ttft is None else t.idle_s), end_at))
                     if not prepared:

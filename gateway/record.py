@@ -21,7 +21,8 @@ class RequestRecord:
     degradation actions applied (``max_tokens=256``, ``model=small``); ``reason`` is
     the finer cause of a rejection (``requests_per_min``, ``queue_full``…);
     ``reserved_output_tokens`` is the output part of the tokens/min reservation
-    (tokens; None when nothing was reserved, e.g. a cache hit)."""
+    (tokens; None when nothing was reserved, e.g. a cache hit); ``prefill_s`` is a
+    split request's prefill leg (s, included in ``ttft_s``)."""
 
     request_id: str
     path: str = ""
@@ -38,6 +39,7 @@ class RequestRecord:
     reserved_output_tokens: int | None = None
     queue_s: float | None = None
     ttft_s: float | None = None
+    prefill_s: float | None = None
     cache: str = "bypass"
     degraded: tuple[str, ...] = ()
     stream: bool = False

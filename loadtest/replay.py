@@ -29,6 +29,7 @@ from pathlib import Path
 
 import aiohttp
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from engines.metrics import parse_metrics
@@ -58,21 +59,35 @@ POLICIES = {
 
 
 def write_sim_config(folder: Path, engines: int, policy: str, model: str, sim_args: list[str],
-                     index_bytes: int, prefix_source: str | None = None) -> Path:
+                     index_bytes: int, pd: tuple[int, int] | None = None,
+                     disaggregation: dict | None = None, prefix_source: str | None = None) -> Path:
     """A config folder for ``sluice serve``: ``engines`` simulated engines
     (``kind: sim`` with ``sim_args``), scheduler ``policy`` (prefix index capped at
     ``index_bytes``; its ``source`` replaced by ``prefix_source`` when given),
     anonymous access, no response cache (every request must reach
     an engine), and admission limits loose enough that the engines' own schedulers
-    queue (``max_waiting`` high): the benchmark compares placement, not shedding."""
+    queue (``max_waiting`` high): the benchmark compares placement, not shedding.
+
+    ``pd`` = (prefill, decode) engine counts splits the fleet into ``role: prefill``
+    and ``role: decode`` engines with the simulator's ``NixlConnector``, and
+    ``disaggregation`` becomes the engines file's section of that name."""
     folder.mkdir(parents=True, exist_ok=True)
     sched = POLICIES[policy]()
     sched["prefix"] = {**sched.get("prefix", {}), "max_bytes": index_bytes}
     if prefix_source is not None:
         sched["prefix"]["source"] = prefix_source
+    if pd is None:
+        specs = [{"name": "sim", "model": model, "kind": "sim", "replicas": engines,
+                  "args": sim_args}]
+    else:
+        if sum(pd) != engines:
+            raise ValueError(f"--pd {pd[0]}:{pd[1]} does not add up to {engines} engines")
+        specs = [{"name": r, "model": model, "kind": "sim", "replicas": n, "role": r,
+                  "kv_connector": "NixlConnector", "args": sim_args}
+                 for r, n in (("prefill", pd[0]), ("decode", pd[1]))]
     (folder / "engines.yaml").write_text(yaml.safe_dump({
-        "engines": [{"name": "sim", "model": model, "kind": "sim", "replicas": engines,
-                     "args": sim_args}],
+        "engines": specs,
+        **({"disaggregation": disaggregation} if pd is not None and disaggregation else {}),
         "scheduler": sched,
         "supervisor": {"metrics_interval_s": 0.25, "startup_grace_s": 120,
                        "inference_probe_idle_s": 3600},
@@ -140,6 +155,7 @@ class Replayer:
                                     headers=self._headers(spec)) as r:
                 res.status = r.status
                 res.engine = r.headers.get("x-sluice-engine")
+                res.prefill_engine = r.headers.get("x-sluice-prefill-engine")
                 res.prefix_tokens = _prefix_tokens(r.headers.get("x-sluice-prefix-tokens"))
                 q = r.headers.get("x-sluice-queue-ms")
                 res.queue_ms = float(q) if q else None
@@ -195,6 +211,7 @@ class Replayer:
         timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
             before = [await _scrape(session, e.url) for e in engines]
+            transfers_before = [await _transfers(session, e.url) for e in engines]
             start = time.perf_counter()
             scraper = asyncio.create_task(self._scrape_loop(session, engines, start,
                                                             scrape_interval_s))
@@ -219,6 +236,9 @@ class Replayer:
                 if a is not None and b is not None:
                     e.queries_delta = a.prefix_cache_queries - b.prefix_cache_queries
                     e.hits_delta = a.prefix_cache_hits - b.prefix_cache_hits
+            for e, (n0, b0) in zip(engines, transfers_before, strict=True):
+                n1, b1 = await _transfers(session, e.url)
+                e.transfers_delta, e.transfer_bytes_delta = n1 - n0, b1 - b0
         return results, wall
 
     async def _scrape_loop(self, session: aiohttp.ClientSession, engines: list[EngineStats],
@@ -256,6 +276,26 @@ async def _scrape(session: aiohttp.ClientSession, url: str) -> MetricsSnapshot |
         return None
 
 
+async def _transfers(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    """KV transfers an engine has read and their bytes so far
+    (``vllm:nixl_xfer_time_seconds_count``, ``vllm:nixl_bytes_transferred_sum``);
+    zeros without a connector or when unreachable."""
+    wanted = ("vllm:nixl_xfer_time_seconds_count", "vllm:nixl_bytes_transferred_sum")
+    try:
+        async with session.get(url.rstrip("/") + "/metrics",
+                               timeout=aiohttp.ClientTimeout(total=5)) as r:
+            text = await r.text()
+    except (TimeoutError, aiohttp.ClientError):
+        return 0.0, 0.0
+    lines = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
+    sums = dict.fromkeys(wanted, 0.0)
+    for family in text_string_to_metric_families(lines):
+        for sample in family.samples:
+            if sample.name in sums:
+                sums[sample.name] += sample.value
+    return sums[wanted[0]], sums[wanted[1]]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest replay", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", required=True,
@@ -271,7 +311,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sim-max-model-len", type=int,
                    help="override the profile's max_model_len (a smaller KV cache needs it)")
     p.add_argument("--sim-speed", type=float,
-                   help="simulated seconds per wall second (default 1 / --time-scale)")
+                   help="simulated seconds per wall second (default: the workload's, "
+                        "else 1 / --time-scale)")
+    p.add_argument("--pd", type=_pd, metavar="P:D",
+                   help="with --engines: P prefill and D decode engines (disaggregated)")
+    p.add_argument("--pd-policy", choices=("predicted", "threshold"), default="predicted",
+                   help="split choice: per-request prediction, or a fixed prompt threshold")
+    p.add_argument("--pd-threshold-tokens", type=int, default=512,
+                   help="prompt tokens from which --pd-policy threshold splits")
+    p.add_argument("--pd-max-stall-ms", type=float, default=200.0,
+                   help="disaggregation.max_decode_stall_ms of --pd-policy predicted")
+    p.add_argument("--kv-transfer-gbps", type=float, default=100.0,
+                   help="KV transfer bandwidth between simulated engines, Gbit/s")
     p.add_argument("--index-bytes", type=int, default=512 << 20,
                    help="prefix index memory cap of that gateway, bytes")
     p.add_argument("--prefix-source", choices=["events", "approximate"],
@@ -281,7 +332,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=60.0, help="send window, s")
     p.add_argument("--drain", type=float, default=30.0, help="wait for in-flight, s")
     p.add_argument("--limit", type=int, help="at most this many requests")
-    p.add_argument("--time-scale", type=float, default=1.0, help="trace time multiplier")
+    p.add_argument("--time-scale", type=float,
+                   help="trace time multiplier (default: the workload's, else 1)")
     p.add_argument("--rate", type=float, default=2.0, help="Poisson rate, req/s")
     p.add_argument("--max-input-tokens", type=int)
     p.add_argument("--max-output-tokens", type=int)
@@ -300,11 +352,45 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _pd(text: str) -> tuple[int, int]:
+    p, _, d = text.partition(":")
+    try:
+        counts = int(p), int(d)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected P:D, got {text!r}") from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError("need at least one prefill and one decode engine")
+    return counts
+
+
+#: Replay settings per workload, used where the command line gives none.
+#: azure-code (Azure 2023 code trace: prompts of 2,139 tokens on average, 26 output
+#: tokens) on h200-llama3-8b engines (~31k prefill tokens/s each): --time-scale 0.2 at
+#: --sim-speed 1 replays the 600 first requests 5x faster in simulated time, 600
+#: requests in 52 s, 24.5k prompt tokens/s on average (a fifth of four engines'
+#: prefill capacity) but in bursts: the busiest tenth of 1-s windows bring over 73k
+#: tokens/s and the busiest 246k. Four aggregated engines then run near capacity:
+#: TTFT p90 at the 2 s SLO and long prefill chunks stretching the decode steps of the
+#: streams batched with them (TPOT p90 far past 100 ms), what disaggregation removes.
+WORKLOAD_DEFAULTS: dict[str, dict[str, float]] = {
+    "azure-code": {"time_scale": 0.2, "sim_speed": 1.0},
+}
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if (args.target is None) == (args.engines is None):
         print("give exactly one of --target and --engines", file=sys.stderr)
         return 2
+    if args.pd is not None and args.engines is None:
+        print("--pd needs --engines", file=sys.stderr)
+        return 2
+    defaults = WORKLOAD_DEFAULTS.get(args.workload, {})
+    args.applied_defaults = {k: v for k, v in defaults.items() if getattr(args, k) is None}
+    for k, v in args.applied_defaults.items():
+        setattr(args, k, v)
+    if args.time_scale is None:
+        args.time_scale = 1.0
     opts = WorkloadOptions(model=args.model, limit=args.limit, duration_s=args.duration,
                            time_scale=args.time_scale, rate=args.rate,
                            max_input_tokens=args.max_input_tokens,
@@ -345,27 +431,43 @@ def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
     ``args.policy``, replay through it, and summarise with the routing keys."""
     import tempfile
 
+    from loadtest.sim_engine.profiles import get_profile
+
     speed = args.sim_speed or 1.0 / args.time_scale
     sim_args = ["--profile", args.sim_profile, "--num-blocks", str(args.sim_num_blocks),
                 "--speed", f"{speed:g}", "--enable-prompt-tokens-details"]
     if args.sim_max_model_len:
         sim_args += ["--max-model-len", str(args.sim_max_model_len)]
+    disaggregation = None
+    if args.pd is not None:
+        sim_args += ["--kv-transfer-gbps", f"{args.kv_transfer_gbps:g}"]
+        # what an operator knows of the fleet: the model's KV bytes per token and the
+        # link between engines
+        disaggregation = {"policy": args.pd_policy, "threshold_tokens": args.pd_threshold_tokens,
+                          "max_decode_stall_ms": args.pd_max_stall_ms,
+                          "kv_bytes_per_token": get_profile(args.sim_profile).kv_bytes_per_token,
+                          "transfer_gbps": args.kv_transfer_gbps}
     folder = Path(args.config_out or tempfile.mkdtemp(prefix="sluice-bench-"))
     write_sim_config(folder, args.engines, args.policy, args.model, sim_args, args.index_bytes,
-                     args.prefix_source)
+                     args.pd, disaggregation, args.prefix_source)
     with gateway(folder, log_path=folder / "gateway.log") as gw:
         engines = [EngineStats(u) for u in gw.engine_urls()]
         replayer = Replayer(gw.url, keys, args.duration, args.drain)
         results, wall = asyncio.run(replayer.run(workload.requests, engines,
                                                  args.scrape_interval))
     summary = summarize(results, engines, Slo(args.slo_ttft_ms, args.slo_tpot_ms), wall)
-    ttft = summary["ttft_ms"]
+    ttft, tpot = summary["ttft_ms"], summary["tpot_ms"]
     summary.update({
         "policy": args.policy, "engines_n": args.engines,
+        "pd": None if args.pd is None else f"{args.pd[0]}:{args.pd[1]}",
+        "pd_policy": None if args.pd is None else args.pd_policy,
         "ideal_hit_rate": replayed_ideal_hit_rate(args.workload, opts),
         "ttft_p50_ms": ttft["p50"], "ttft_p90_ms": ttft["p90"], "ttft_p99_ms": ttft["p99"],
+        "tpot_p50_ms": tpot["p50"], "tpot_p90_ms": tpot["p90"], "tpot_p99_ms": tpot["p99"],
         "setup": {"sim_args": sim_args, "prefix_source": args.prefix_source,
                   "time_scale": args.time_scale, "limit": args.limit,
-                  "duration_s": args.duration, "config_dir": str(folder)},
+                  "duration_s": args.duration, "config_dir": str(folder),
+                  "workload_defaults": args.applied_defaults,
+                  "disaggregation": disaggregation},
     })
     return summary, results, engines

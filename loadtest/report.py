@@ -31,6 +31,7 @@ class Result:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     engine: str | None = None
+    prefill_engine: str | None = None
     cached_tokens: int | None = None
     prefix_tokens: dict[str, int] | None = None
 
@@ -57,9 +58,15 @@ class EngineSample:
 
 @dataclass
 class EngineStats:
+    """One engine over a run: prefix-cache counters and KV transfers it read
+    (``vllm:nixl_xfer_time_seconds_count``, ``vllm:nixl_bytes_transferred_sum``)
+    as deltas, and its load samples."""
+
     url: str
     queries_delta: float = 0.0
     hits_delta: float = 0.0
+    transfers_delta: float = 0.0
+    transfer_bytes_delta: float = 0.0
     samples: list[EngineSample] = field(default_factory=list)
 
 
@@ -126,6 +133,9 @@ def summarize(results: list[Result], engines: list[EngineStats], slo: Slo,
                                    if e.samples else None)} for e in engines],
         "load_max_over_mean": (max(loads) / float(np.mean(loads))
                                if loads and np.mean(loads) > 0 else None),
+        "split_fraction": (sum(1 for r in ok if r.prefill_engine) / len(ok)) if ok else 0.0,
+        "kv_transfers": sum(e.transfers_delta for e in engines),
+        "kv_bytes_moved": sum(e.transfer_bytes_delta for e in engines),
         "index": index_accuracy(results),
     }
 
@@ -143,6 +153,9 @@ def format_summary(s: dict[str, Any]) -> str:
              f" {s['goodput_rps']:.2f} req/s ({s['goodput_fraction']:.1%})"]
     if s["shed_rate"]:
         lines.append("not ok: " + ", ".join(f"{k} {v:.1%}" for k, v in s["shed_rate"].items()))
+    if s.get("kv_transfers"):
+        lines.append(f"split {s['split_fraction']:.1%} of requests; KV transfers "
+                     f"{s['kv_transfers']:.0f}, {s['kv_bytes_moved'] / 1e9:.1f} GB moved")
     if s["prefix_hit_rate"] is not None:
         lines.append(f"prefix hit rate {s['prefix_hit_rate']:.3f}; load max/mean "
                      f"{s['load_max_over_mean'] or float('nan'):.2f}")

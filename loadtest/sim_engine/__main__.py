@@ -12,6 +12,7 @@ import contextlib
 import signal
 import sys
 
+from loadtest.sim_engine.disagg import CONNECTORS, ROLES, SimConnector
 from loadtest.sim_engine.engine import SimEngine
 from loadtest.sim_engine.kv_events import KVEventsConfig, SimEventPublisher
 from loadtest.sim_engine.profiles import PROFILES, get_profile
@@ -36,7 +37,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="vLLM's KV-event publisher config (JSON)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens")
-    return p.parse_args(argv)
+    p.add_argument("--role", choices=ROLES, default="both",
+                   help="disaggregated serving: prefill legs, decode legs or both "
+                        "(needs --kv-connector)")
+    p.add_argument("--kv-connector", choices=CONNECTORS,
+                   help="accept kv_transfer_params (vLLM's connector protocol)")
+    p.add_argument("--kv-transfer-gbps", type=float, default=100.0,
+                   help="KV read bandwidth, Gbit/s (default 100: one 100 GbE / EDR link)")
+    p.add_argument("--kv-lease-s", type=float, default=30.0,
+                   help="how long finished prefill blocks wait for their read, s "
+                        "(vLLM's kv_lease_duration)")
+    p.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"),
+                   default="recompute",
+                   help="blocks gone: prefill locally, or fail the request (vLLM's default)")
+    args = p.parse_args(argv)
+    if args.role != "both" and args.kv_connector is None:
+        p.error("--role prefill/decode needs --kv-connector")
+    return args
 
 
 async def _serve_forever(args: argparse.Namespace) -> None:
@@ -48,14 +65,17 @@ async def _serve_forever(args: argparse.Namespace) -> None:
     publisher = SimEventPublisher(events) if events is not None and events.enabled else None
     engine = SimEngine(profile, args.model, speed=args.speed, publisher=publisher,
                        prompt_tokens_details=args.enable_prompt_tokens_details)
-    runner = await serve(engine, args.host, args.port)
+    connector = None if args.kv_connector is None else SimConnector(
+        engine, args.role, args.kv_transfer_gbps, args.kv_lease_s,
+        args.kv_load_failure_policy)
+    runner = await serve(engine, args.host, args.port, connector)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, engine.freeze)
     loop.add_signal_handler(signal.SIGUSR2, engine.thaw)
-    print(f"sim engine {args.model} ({profile.name}, speed {args.speed}) on "
+    print(f"sim engine {args.model} ({profile.name}, speed {args.speed}, role {args.role}) on "
           f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     try:
         await stop.wait()

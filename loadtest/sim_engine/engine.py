@@ -80,6 +80,10 @@ class SimEngine:
         self.scheduler.abort(req)
         self._wake.set()
 
+    def wake(self) -> None:
+        """Make the step loop look for work (blocks were freed from outside)."""
+        self._wake.set()
+
     async def run(self) -> None:
         """Step forever (cancel to stop)."""
         while True:

@@ -38,6 +38,9 @@ class Profile:
         prefill_token_s: cost per prompt token computed, s/token.
         decode_seq_s: cost per decoding sequence in a step, s/sequence.
         kv_token_s: cost per KV token attended by decoding sequences, s/token.
+        kv_bytes_per_token: bytes of K and V one token occupies in every layer
+            (:func:`kv_bytes_per_token`); what a KV connector moves per token. None
+            when the profile does not name its model's geometry.
     """
 
     name: str
@@ -50,6 +53,12 @@ class Profile:
     prefill_token_s: float
     decode_seq_s: float
     kv_token_s: float = 0.0
+    kv_bytes_per_token: int | None = None
+
+    @property
+    def kv_bytes_per_block(self) -> int | None:
+        """Bytes of one KV block (``kv_bytes_per_token × block_size``), or None."""
+        return None if self.kv_bytes_per_token is None else self.kv_bytes_per_token * self.block_size
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
         """Device time of one step, s (see the module docstring)."""
@@ -63,6 +72,13 @@ class Profile:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of KV cache per token: ``2 (K and V) × layers × kv_heads × head_dim ×
+    dtype_bytes`` (vLLM's ``AttentionSpec.page_size_bytes`` divided by the block size,
+    ``vllm/v1/kv_cache_interface.py``)."""
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
 def kv_blocks(device_bytes: float, memory_utilization: float, weight_bytes: float,
               activation_bytes: float, layers: int, kv_heads: int, head_dim: int,
               dtype_bytes: int, block_size: int) -> int:
@@ -72,7 +88,7 @@ def kv_blocks(device_bytes: float, memory_utilization: float, weight_bytes: floa
     activation memory of a profiling run), each block holding
     ``2 (K and V) × layers × kv_heads × head_dim × dtype_bytes × block_size`` bytes.
     """
-    per_block = 2 * layers * kv_heads * head_dim * dtype_bytes * block_size
+    per_block = kv_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes) * block_size
     return int((device_bytes * memory_utilization - weight_bytes - activation_bytes) // per_block)
 
 
@@ -127,6 +143,7 @@ H200_LLAMA31_8B = Profile(
     # Reading one token's K and V in every layer: 2 × 32 × 8 × 128 × 2 B = 128 KiB
     # at 4.8 TB/s × 0.7 ≈ 39 ns per attended token.
     kv_token_s=2 * 32 * 8 * 128 * 2 / (_H200_BW * _BW_EFF),
+    kv_bytes_per_token=kv_bytes_per_token(32, 8, 128, 2),  # 128 KiB, 2 MiB per block
 )
 
 # --- this machine's CPU vLLM + Gemma 3 270M, fitted to ENGINES.md -------------------
@@ -156,6 +173,8 @@ CPU_GEMMA3_270M = Profile(
     step_fixed_s=44.1e-3,
     prefill_token_s=1.19e-3,
     decode_seq_s=4.03e-3,
+    # google/gemma-3-270m config.json: 18 layers, 1 KV head, head_dim 256, BF16.
+    kv_bytes_per_token=kv_bytes_per_token(18, 1, 256, 2),  # 18 KiB
 )
 
 #: Profiles by name (read-only).

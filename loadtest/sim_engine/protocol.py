@@ -212,11 +212,15 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class ResponseShape:
-    """Builds one request's chunks and final body (``id`` and ``created`` fixed)."""
+    """Builds one request's chunks and final body (``id`` and ``created`` fixed).
+    ``request_id``: the client's ``X-Request-Id``, which vLLM makes the response id
+    (``chatcmpl-<id>`` / ``cmpl-<id>``); None draws a random one."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, request_id: str | None = None) -> None:
         self.chat, self.model = chat, model
-        self.id, self.created = new_id(chat), int(time.time())
+        self.id = new_id(chat) if request_id is None else \
+            f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.created = int(time.time())
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -245,8 +249,9 @@ class ResponseShape:
                     "usage": usage(prompt, completion, cached)})
 
     def full(self, texts: list[str], prompt: int, completion: int,
-             cached: int | None = None) -> bytes:
-        """The non-streaming body: one choice per text in ``texts``."""
+             extra: dict[str, Any] | None = None, cached: int | None = None) -> bytes:
+        """The non-streaming body: one choice per text in ``texts``; ``extra`` adds
+        top-level fields (``kv_transfer_params``); ``cached``: see :func:`usage`."""
         choices: list[dict[str, Any]] = []
         for i, text in enumerate(texts):
             if self.chat:
@@ -259,4 +264,4 @@ class ResponseShape:
                                 "finish_reason": "length", "stop_reason": None})
         obj = "chat.completion" if self.chat else "text_completion"
         return dumps({**self._head(obj), "choices": choices,
-                      "usage": usage(prompt, completion, cached)})
+                      "usage": usage(prompt, completion, cached), **(extra or {})})

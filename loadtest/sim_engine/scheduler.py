@@ -64,6 +64,12 @@ class SimRequest:
         token_ids, cache_salt: the prompt's tokens and salt (KV events report them).
         arrival_s, first_token_s, last_token_s: engine clock times, s.
         last_itl_s: time between the last two output tokens, s.
+        external_tokens: leading prompt tokens whose KV a connector loaded from a
+            remote prefill (:mod:`loadtest.sim_engine.disagg`); at admission they
+            count as computed, like prefix-cache hits (at most ``num_tokens − 1``).
+        keep_blocks: when the request finishes, its blocks are not freed but left
+            in ``blocks`` for a connector to hand to a remote decode (vLLM's
+            ``request_finished`` returning ``delay_free_blocks``).
     """
 
     request_id: str
@@ -84,6 +90,8 @@ class SimRequest:
     first_token_s: float | None = None
     last_token_s: float | None = None
     last_itl_s: float | None = None
+    external_tokens: int = 0
+    keep_blocks: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +123,7 @@ class Counters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0  # preemption events
+    external_kv_tokens: int = 0  # prompt tokens loaded by a KV connector
 
 
 class Scheduler:
@@ -212,8 +221,11 @@ class Scheduler:
             req = self.waiting[0]
             hits = self.kv.longest_prefix(req.block_hashes, req.num_tokens)
             num_hit = len(hits) * bs
-            n = min(req.num_tokens - num_hit, budget)
-            need = -(-(num_hit + n) // bs) - len(hits)
+            # Tokens loaded by a connector count as computed (vLLM recomputes the
+            # last prompt token to sample, _update_waiting_for_remote_kv).
+            computed = max(num_hit, min(req.external_tokens, req.num_tokens - 1))
+            n = min(req.num_tokens - computed, budget)
+            need = -(-(computed + n) // bs) - len(hits)
             # Hit blocks that are free now leave the free queue when touched.
             free_hits = sum(1 for b in hits if b.ref_cnt == 0)
             if need > self.kv.num_free_blocks - free_hits:
@@ -224,7 +236,8 @@ class Scheduler:
             self.waiting.popleft()
             req.blocks = hits + new_blocks
             req.num_registered_blocks = len(hits)
-            req.num_computed_tokens = num_hit
+            req.num_computed_tokens = computed
+            self.counters.external_kv_tokens += computed - num_hit
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit
                 self.counters.prefix_cache_queries += req.num_tokens
@@ -267,13 +280,15 @@ class Scheduler:
         req.blocks = []
         req.num_registered_blocks = 0
         req.num_computed_tokens = 0
+        req.external_tokens = 0  # the loaded KV went with the blocks
         req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.counters.num_preemptions += 1
 
     def _release(self, req: SimRequest, status: Status) -> None:
-        self.kv.free(req.blocks)
-        req.blocks = []
+        if not (req.keep_blocks and status is Status.FINISHED):
+            self.kv.free(req.blocks)
+            req.blocks = []
         req.status = status
         req.notify()

@@ -5,6 +5,12 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or no
 aborts its request at once (the app must be served with
 ``handler_cancellation=True``, as :func:`serve` does): it stops counting as running
 and its KV blocks are freed, as vLLM aborts requests whose connection closed.
+
+With a KV connector (:mod:`loadtest.sim_engine.disagg`) requests may carry
+``kv_transfer_params`` (prefill and decode legs of a disaggregated request), the
+non-streamed response carries ``kv_transfer_params`` (null when there are none, as
+vLLM's), and ``POST /sim/nixl/read`` serves other engines' reads. ``X-Request-Id``
+becomes the response id, as in vLLM.
 """
 
 from __future__ import annotations
@@ -18,6 +24,14 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from engines.blocks import chain_block_hashes, fallback_tokenize
+from loadtest.sim_engine.disagg import (
+    CONNECTOR,
+    READ_PATH,
+    KVLoadFailed,
+    SimConnector,
+    engine_request_id,
+    handle_read,
+)
 from loadtest.sim_engine.engine import SimEngine
 from loadtest.sim_engine.protocol import (
     SSE_DONE,
@@ -41,10 +55,14 @@ INLINE_PROMPT_LIMIT = 16_384
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
-def create_app(engine: SimEngine) -> web.Application:
-    """The aiohttp app serving ``engine``; its step loop runs in ``cleanup_ctx``."""
+def create_app(engine: SimEngine, connector: SimConnector | None = None) -> web.Application:
+    """The aiohttp app serving ``engine`` (and ``connector``'s read channel, if
+    any); its step loop runs in ``cleanup_ctx``."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
+    if connector is not None:
+        app[CONNECTOR] = connector
+        app.router.add_post(READ_PATH, handle_read)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/health", _health)
@@ -54,10 +72,13 @@ def create_app(engine: SimEngine) -> web.Application:
     return app
 
 
-async def serve(engine: SimEngine, host: str, port: int) -> web.AppRunner:
+async def serve(engine: SimEngine, host: str, port: int,
+                connector: SimConnector | None = None) -> web.AppRunner:
     """Start serving ``engine`` on ``host:port``; returns the runner (``cleanup()``
-    to stop)."""
-    runner = web.AppRunner(create_app(engine), handler_cancellation=True,
+    to stop). ``connector`` advertises ``host:port`` as its read channel."""
+    if connector is not None:
+        connector.host, connector.port = host, port
+    runner = web.AppRunner(create_app(engine, connector), handler_cancellation=True,
                            access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -76,6 +97,8 @@ async def _engine_loop(app: web.Application) -> AsyncIterator[None]:
             await task
     if engine.publisher is not None:
         engine.publisher.close()
+    if CONNECTOR in app:
+        await app[CONNECTOR].close()
 
 
 def _error(exc: RequestError) -> web.Response:
@@ -113,31 +136,51 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             tokens, hashes = _tokens_and_hashes(parsed, engine.profile.block_size)
         n_prompt = len(tokens)
         max_tokens = check_length(n_prompt, parsed.max_tokens, engine.profile.max_model_len)
+        params = body.get("kv_transfer_params")
+        if params is not None and not isinstance(params, dict):
+            raise RequestError("kv_transfer_params must be an object",
+                               param="kv_transfer_params")
     except RequestError as exc:
         return _error(exc)
-    shape = ResponseShape(chat, engine.model_name)
+    connector = request.app.get(CONNECTOR)
+    shape = ResponseShape(chat, engine.model_name, request.headers.get("X-Request-Id"))
     wake = asyncio.Event()
-    reqs = [SimRequest(shape.id if parsed.n == 1 else f"{shape.id}-{i}", n_prompt, hashes,
-                       max_tokens, notify=wake.set,
+    reqs = [SimRequest(engine_request_id(shape.id if parsed.n == 1 else f"{shape.id}-{i}"),
+                       n_prompt, hashes, max_tokens, notify=wake.set,
                        token_ids=tokens if engine.publisher is not None else [],
                        cache_salt=parsed.cache_salt) for i in range(parsed.n)]
     cached = ((lambda: reqs[0].num_cached_tokens) if engine.prompt_tokens_details
               else (lambda: None))
+    arrival = engine.clock()
+    # the connector's legs are single-sequence requests (vLLM's proxy sends n = 1)
+    legs = connector if connector is not None and parsed.n == 1 else None
+    if legs is not None and legs.remote_prefill(params):
+        local = len(engine.kv.longest_prefix(hashes, n_prompt))
+        try:
+            reqs[0].external_tokens = await legs.load(params, n_prompt, local)
+        except KVLoadFailed as exc:
+            return _error(RequestError(str(exc), 500, "InternalServerError"))
+    reqs[0].keep_blocks = legs is not None and legs.remote_decode(params)
     for req in reqs:
         engine.submit(req)
+        req.arrival_s = arrival  # TTFT counts the transfer, as vLLM's does
     try:
         if parsed.stream:
             return await _stream(request, reqs, wake, shape, parsed.include_usage, cached)
         while not all(req.done for req in reqs):
             await wake.wait()
             wake.clear()
+        extra = None if connector is None else {
+            "kv_transfer_params": None if legs is None else legs.hold(reqs[0])}
         return web.Response(body=shape.full([output_text(0, r.num_output_tokens) for r in reqs],
                                             n_prompt, sum(r.num_output_tokens for r in reqs),
-                                            cached()),
+                                            extra, cached()),
                             content_type="application/json")
     finally:
         for req in reqs:
             engine.abort(req)  # no-op once finished; frees blocks on disconnect/cancel
+        if legs is not None and reqs[0].keep_blocks:
+            legs.hold(reqs[0])  # a finished prefill's blocks wait for their read
 
 
 async def _stream(request: web.Request, reqs: list[SimRequest], wake: asyncio.Event,

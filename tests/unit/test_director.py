@@ -68,7 +68,8 @@ class FakeClient:
         self.entered = asyncio.Event()
 
     async def send(self, engine: Engine, req: InferenceRequest, request: web.Request,
-                   response_headers: Any, upstream_headers: Any = None) -> ProxyResult:
+                   response_headers: Any, upstream_headers: Any = None,
+                   on_first_token: Any = None) -> ProxyResult:
         self.calls.append((engine.id, dict(req.body)))
         self.entered.set()
         action = self.behaviour.get(engine.id)
@@ -78,6 +79,8 @@ class FakeClient:
             raise action
         if isinstance(action, asyncio.Event):
             await action.wait()
+        if on_first_token is not None:
+            on_first_token()
         answer = {"id": "x", "object": "chat.completion", "model": req.model,
                   "choices": [{"index": 0, "finish_reason": "stop",
                                "message": {"role": "assistant", "content": "hi"}}],

@@ -1,0 +1,306 @@
+"""Prefill–decode disaggregation in the gateway: whether to split a request, onto
+which pair of engines, and the two legs of a split request.
+
+The design follows DistServe (Zhong et al., OSDI 2024), Splitwise (Patel et al.,
+ISCA 2024) and Mooncake (Qin et al., FAST 2025): long prefills stall the decode steps
+of every request batched with them, so prefill runs on prefill engines and the KV
+cache moves to a decode engine. The protocol is vLLM's (its NIXL proxy,
+``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``):
+
+1. **Prefill leg** to a ``role: prefill`` engine: the client's body with ``stream:
+   false``, ``max_tokens: 1`` (and ``max_completion_tokens: 1`` when present), no
+   ``stream_options``, no ``min_tokens``/``min_completion_tokens``, and
+   ``kv_transfer_params: {"do_remote_decode": true, "do_remote_prefill": false,
+   "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
+   "remote_port": null}``. Its answer's ``kv_transfer_params`` say where the blocks
+   wait.
+2. **Decode leg** to a ``role: decode`` (or ``both``) engine: the client's body plus
+   those ``kv_transfer_params``, streamed back to the client. Both legs carry the
+   same ``X-Request-Id``.
+
+The choice (:meth:`Disaggregator.choose`), per request, among running the whole
+request on a decode engine d ("local") or splitting it over a prefill engine p and
+a decode engine d, from an explicit prediction of TTFT, s::
+
+    local(d)    = wait(d) + uncached(d) × c(d)
+    split(p, d) = wait(p) + uncached(p) × c(p) + transfer(prompt − cached(d)) + wait(d)
+
+where ``uncached(e)`` is the prompt less the leading blocks the prefix index says
+``e`` holds, ``wait(e)`` = ``c(e)`` × the prompt tokens this gateway has sent to ``e``
+that have not produced their first token yet (the prefill queue), ``c(e)`` the
+engine's observed seconds per prefill token (:class:`PrefillSpeed`), and transfer
+time ``tokens × kv_bytes_per_token × 8 / (transfer_gbps × 10⁹)``. The TPOT side is a
+constraint: prefills on a decode engine stall the streams decoding there for as long
+as its prefill backlog lasts, so a local prefill is allowed only while d has no
+request of this gateway in flight, or its backlog including this prompt,
+``wait(d) + uncached(d) × c(d)``, is at most ``max_decode_stall_ms``. The sooner
+allowed option wins (ties: the decode engine with fewer requests in flight), so a
+short prompt, or one already cached on a decode engine, skips the prefill leg, and a
+burst that queues on the prefill engines spills onto decode engines within the
+stall budget. The ``threshold`` policy splits
+exactly the prompts of at least ``threshold_tokens`` (estimated) tokens over the
+same pair the prediction would choose.
+
+The estimate is this module's own (load the gateway sees plus observed prefill
+speeds), not a learned latency model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from aiohttp import web
+from opentelemetry.trace import SpanKind
+
+from config.schema import DisaggregationConfig
+from engines.pool import Engine, EngineLease
+from gateway.openai_api import InferenceRequest
+from gateway.proxy import EngineClient, UpstreamFailed
+from gateway.tracing import Spans, inject_traceparent
+from limits.outcome import Outcome
+
+#: ``kv_transfer_params`` of the prefill leg, as vLLM's proxy sends them.
+PREFILL_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None}
+#: Fields vLLM's proxy removes from the prefill leg (not supported there).
+PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+#: Weight of a new observation in the prefill-speed EWMA.
+EWMA_ALPHA = 0.2
+#: Observations of fewer tokens are dominated by per-step overhead and skipped.
+MIN_SAMPLE_TOKENS = 256
+
+
+def role(engine: Engine) -> str:
+    """The engine's configured role: ``prefill``, ``decode`` or ``both``."""
+    return engine.labels.get("role", "both")
+
+
+def serves_whole(engine: Engine) -> bool:
+    """Whether whole (unsplit) requests and decode legs may go to ``engine``."""
+    return role(engine) != "prefill"
+
+
+def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill leg's body from the client's (see the module docstring)."""
+    out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
+    out.update(stream=False, max_tokens=1, kv_transfer_params=dict(PREFILL_PARAMS))
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def decode_body(body: Mapping[str, Any], params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The decode leg's body: the client's plus the prefill engine's
+    ``kv_transfer_params`` (as vLLM's proxy, only when it returned some)."""
+    out = dict(body)
+    if params:
+        out["kv_transfer_params"] = dict(params)
+    return out
+
+
+@dataclass
+class PrefillSpeed:
+    """Per engine: prompt tokens sent and not yet past their first token, and an
+    EWMA of observed seconds per prefill token.
+
+    An observation is one prefill (a prefill leg's answer or a whole request's first
+    token): ``elapsed_s / (tokens ahead of it + its own tokens)``, the queue it found
+    included, so the estimate needs no engine profile. ``clock``: monotonic time, s.
+    """
+
+    prior_s_per_token: float
+    clock: Callable[[], float] = time.monotonic
+    outstanding: dict[str, int] = field(default_factory=dict)
+    s_per_token: dict[str, float] = field(default_factory=dict)
+
+    def c(self, engine: Engine) -> float:
+        """Seconds per prefill token on ``engine``."""
+        return self.s_per_token.get(engine.id, self.prior_s_per_token)
+
+    def wait_s(self, engine: Engine) -> float:
+        """Predicted wait before a new prefill starts on ``engine``, s."""
+        return self.outstanding.get(engine.id, 0) * self.c(engine)
+
+    def start(self, engine: Engine, tokens: int) -> int:
+        """A prefill of ``tokens`` was sent; returns the tokens it queues behind."""
+        ahead = self.outstanding.get(engine.id, 0)
+        self.outstanding[engine.id] = ahead + tokens
+        return ahead
+
+    @contextmanager
+    def track(self, engine: Engine, tokens: int) -> Iterator[Callable[[], None]]:
+        """:meth:`start` a prefill of ``tokens`` on ``engine`` for the ``with`` block;
+        yields the callback to call at its first token (:meth:`done` with the time
+        taken); leaving the block without it ends the prefill unobserved."""
+        ahead, t0 = self.start(engine, tokens), self.clock()
+        finished = False
+
+        def first_token() -> None:
+            nonlocal finished
+            if not finished:
+                finished = True
+                self.done(engine, tokens, ahead, self.clock() - t0)
+
+        try:
+            yield first_token
+        finally:
+            if not finished:
+                self.done(engine, tokens, ahead, None)
+
+    def done(self, engine: Engine, tokens: int, ahead: int, elapsed_s: float | None) -> None:
+        """The prefill :meth:`start` ed with these ``tokens`` and ``ahead`` ended
+        after ``elapsed_s`` (None: it failed or was cancelled; no observation)."""
+        self.outstanding[engine.id] = max(0, self.outstanding.get(engine.id, 0) - tokens)
+        total = ahead + tokens
+        if elapsed_s is not None and total >= MIN_SAMPLE_TOKENS:
+            old = self.c(engine)
+            self.s_per_token[engine.id] = old + EWMA_ALPHA * (elapsed_s / total - old)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Where one request runs.
+
+    Attributes:
+        decode: the engine that streams the answer (the whole request when
+            ``prefill`` is None).
+        prefill: the prefill leg's engine, or None (not split).
+        ttft_s: the predicted TTFT of this option, s.
+        uncached: prompt tokens the first engine must compute (prefill's when
+            split), tokens.
+    """
+
+    decode: Engine
+    prefill: Engine | None
+    ttft_s: float
+    uncached: int
+
+
+class Disaggregator:
+    """Chooses split or local per request (module docstring).
+
+    Args:
+        cfg: the ``disaggregation`` section.
+        clock: monotonic time, s, for the prefill-speed observations
+            (:attr:`speed`, which the legs update).
+    """
+
+    def __init__(self, cfg: DisaggregationConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.speed = PrefillSpeed(1.0 / cfg.prefill_tokens_per_s, clock)
+        bits = (cfg.kv_bytes_per_token or 0) * 8
+        #: predicted transfer time per token, s
+        self.transfer_s_per_token = bits / (cfg.transfer_gbps * 1e9)
+
+    @staticmethod
+    def applies(engines: Iterable[Engine]) -> bool:
+        """Whether a model served by ``engines`` has prefill engines at all."""
+        return any(role(e) == "prefill" for e in engines)
+
+    def choose(self, prompt_tokens: int, cached: Mapping[str, int],
+               decode: Sequence[Engine], prefill: Sequence[Engine]) -> Choice | None:
+        """The option for a request of ``prompt_tokens`` (estimated) tokens.
+
+        Args:
+            cached: engine id → leading prompt tokens it holds (prefix index).
+            decode: candidate engines for a whole request or a decode leg (admitting
+                now); prefill: candidate prefill engines (admitting now).
+
+        Returns None when ``decode`` is empty.
+        """
+        if not decode:
+            return None
+        stall_s = self.cfg.max_decode_stall_ms / 1000.0
+        best: tuple[float, int, Choice] | None = None
+
+        def offer(choice: Choice) -> None:
+            nonlocal best
+            key = (choice.ttft_s, choice.decode.in_flight, choice)
+            if best is None or key[:2] < best[:2]:
+                best = key
+
+        split_wanted = self.cfg.policy == "predicted" or prompt_tokens >= self.cfg.threshold_tokens
+        for d in decode:
+            wait_d = self.speed.wait_s(d)
+            uncached_d = max(1, prompt_tokens - cached.get(d.id, 0))
+            local_s = uncached_d * self.speed.c(d)
+            may_local = (self.cfg.policy == "predicted"
+                         and (d.in_flight == 0 or wait_d + local_s <= stall_s)
+                         or self.cfg.policy == "threshold" and not split_wanted
+                         or not prefill)
+            if may_local:
+                offer(Choice(d, None, wait_d + local_s, uncached_d))
+            if not split_wanted:
+                continue
+            moved_s = (prompt_tokens - cached.get(d.id, 0)) * self.transfer_s_per_token
+            for p in prefill:
+                if p is d:
+                    continue
+                uncached_p = max(1, prompt_tokens - cached.get(p.id, 0))
+                ttft = (self.speed.wait_s(p) + uncached_p * self.speed.c(p) + moved_s + wait_d)
+                offer(Choice(d, p, ttft, uncached_p))
+        return best[2] if best is not None else None
+
+
+class PrefillLeg:
+    """Runs split requests' prefill legs and keeps :class:`PrefillSpeed` up to date.
+
+    Args:
+        client: the gateway's engine client.
+        speed: the estimates the choice reads.
+        spans: tracing.
+    """
+
+    def __init__(self, client: EngineClient, speed: PrefillSpeed, spans: Spans) -> None:
+        self.client = client
+        self.speed = speed
+        self.spans = spans
+
+    async def run(self, attempts: Iterable[EngineLease], req: InferenceRequest,
+                  request: web.Request, request_id: str,
+                  uncached: int) -> tuple[InferenceRequest, Engine | None]:
+        """Run ``req``'s prefill leg on the first of ``attempts`` (prefill leases,
+        :meth:`gateway.placement.Placer.prefill_attempts`), on the next after a
+        retryable failure. Returns the decode leg's request (the client's body plus
+        the returned ``kv_transfer_params``) and the engine that prefilled; or the
+        client's request and None when every attempt failed, so the decode engine
+        prefills itself. Each lease is released when its leg ends.
+
+        Raises:
+            Rejected: the engine rejected the request (4xx).
+            asyncio.CancelledError: the client went away; the leg's connection is
+                closed, which aborts it on the engine.
+        """
+        for lease in attempts:
+            with lease:
+                try:
+                    leg = await self._send(lease.engine, req, request, request_id, uncached)
+                except UpstreamFailed as e:
+                    if e.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
+                        lease.engine.breaker.record(False)
+                    if not e.retryable:
+                        break
+                    continue
+                lease.engine.breaker.record(True)
+                return leg, lease.engine
+        return req, None
+
+    async def _send(self, engine: Engine, req: InferenceRequest, request: web.Request,
+                    request_id: str, uncached: int) -> InferenceRequest:
+        leg = replace(req, body=prefill_body(req.body), stream=False, client_usage=False)
+        with self.spans("upstream.prefill", kind=SpanKind.CLIENT) as span:
+            span.set_attribute("sluice.engine", engine.id)
+            upstream = {"x-request-id": request_id}
+            if self.spans.enabled:
+                inject_traceparent(upstream)
+            with self.speed.track(engine, uncached) as first_token:
+                result = await self.client.send(engine, leg, request, {}, upstream,
+                                                first_token)
+        params = (result.answer or {}).get("kv_transfer_params")
+        return replace(req, body=decode_body(req.body, params if isinstance(params, dict) else None))

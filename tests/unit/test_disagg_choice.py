@@ -1,0 +1,140 @@
+"""The gateway's disaggregation choice (``gateway.disagg``): protocol bodies, the
+prefill-speed estimate and the per-request split decision."""
+
+from __future__ import annotations
+
+import pytest
+
+from config.schema import DisaggregationConfig, EngineSpec
+from engines.pool import Engine
+from gateway.disagg import PREFILL_PARAMS, Disaggregator, PrefillSpeed, decode_body, prefill_body
+
+
+def eng(id_: str, role: str, in_flight: int = 0) -> Engine:
+    return Engine(id=id_, model="m", base_url=f"http://{id_}", in_flight=in_flight,
+                  labels={"role": role})
+
+
+def test_prefill_body_is_vllm_proxy_shaped():
+    body = {"model": "m", "messages": [], "max_completion_tokens": 50, "stream": True,
+            "stream_options": {"include_usage": True}, "min_tokens": 3, "top_p": 0.9}
+    assert prefill_body(body) == {
+        "model": "m", "messages": [], "max_completion_tokens": 1, "max_tokens": 1,
+        "stream": False, "top_p": 0.9, "kv_transfer_params": dict(PREFILL_PARAMS)}
+    assert body["stream"] is True  # the client's body is not modified
+    params = {"do_remote_prefill": True, "remote_request_id": "x"}
+    assert decode_body(body, params) == {**body, "kv_transfer_params": params}
+    assert decode_body(body, None) == body
+
+
+def test_prefill_speed_learns_from_observations_and_tracks_the_queue():
+    speed = PrefillSpeed(prior_s_per_token=1e-4)
+    e = eng("p", "prefill")
+    assert speed.start(e, 1000) == 0
+    assert speed.start(e, 500) == 1000
+    assert speed.wait_s(e) == pytest.approx(1500 * 1e-4)
+    speed.done(e, 1000, 0, elapsed_s=0.05)  # 50 µs per token observed
+    assert speed.c(e) == pytest.approx(1e-4 + 0.2 * (5e-5 - 1e-4))
+    speed.done(e, 500, 1000, elapsed_s=None)  # failed: no observation
+    assert speed.outstanding["p"] == 0
+    assert speed.c(e) == pytest.approx(9e-5)
+
+
+def test_threshold_policy_splits_exactly_the_long_prompts():
+    d = Disaggregator(DisaggregationConfig(policy="threshold", threshold_tokens=512))
+    p, dec = eng("p", "prefill"), eng("d", "decode")
+    assert d.choose(511, {}, [dec], [p]).prefill is None
+    long = d.choose(512, {}, [dec], [p])
+    assert (long.prefill, long.decode) == (p, dec)
+    assert d.choose(5000, {}, [dec], []).prefill is None  # no prefill engine: local
+
+
+def test_predicted_policy_keeps_idle_decode_engines_local_and_splits_when_busy():
+    cfg = DisaggregationConfig(max_decode_stall_ms=50, prefill_tokens_per_s=10_000)
+    d = Disaggregator(cfg)
+    p, idle, busy = eng("p", "prefill"), eng("d1", "decode"), eng("d2", "decode", in_flight=3)
+    # an idle decode engine: nobody to stall, local is sooner (no transfer)
+    assert d.choose(2000, {}, [idle], [p]).prefill is None
+    # a busy one: 2000 tokens × 100 µs = 200 ms stall > 50 ms → split
+    split = d.choose(2000, {}, [busy], [p])
+    assert (split.prefill, split.decode) == (p, busy)
+    assert split.ttft_s == pytest.approx(0.2)
+    # short prompts stall little: local even on a busy engine
+    assert d.choose(400, {}, [busy], [p]).prefill is None
+
+
+def test_predicted_policy_uses_the_decode_engines_cache_and_the_prefill_queue():
+    cfg = DisaggregationConfig(max_decode_stall_ms=50, prefill_tokens_per_s=10_000,
+                               kv_bytes_per_token=131072, transfer_gbps=100)
+    d = Disaggregator(cfg)
+    p, busy = eng("p", "prefill"), eng("d", "decode", in_flight=2)
+    # cached on the decode engine: 100 uncached tokens → 10 ms stall, local
+    local = d.choose(3000, {"d": 2900}, [busy], [p])
+    assert local.prefill is None and local.uncached == 100
+    # a split counts the transfer of what the decode engine lacks
+    split = d.choose(3000, {}, [busy], [p])
+    assert split.ttft_s == pytest.approx(0.3 + 3000 * 131072 * 8 / 100e9)
+    # a long prefill queue on the only prefill engine: still split (local not allowed)
+    d.speed.start(p, 100_000)
+    assert d.choose(3000, {}, [busy], [p]).prefill is p
+    # but an idle decode engine beats the queue
+    assert d.choose(3000, {}, [busy, eng("d2", "decode")], [p]).decode.id == "d2"
+
+
+def test_pair_choice_prefers_the_shorter_prefill_queue_then_the_less_busy_decode():
+    d = Disaggregator(DisaggregationConfig(policy="threshold", threshold_tokens=1))
+    p1, p2 = eng("p1", "prefill"), eng("p2", "prefill")
+    d1, d2 = eng("d1", "decode", in_flight=5), eng("d2", "decode", in_flight=1)
+    d.speed.start(p1, 10_000)
+    choice = d.choose(1000, {}, [d1, d2], [p1, p2])
+    assert (choice.prefill.id, choice.decode.id) == ("p2", "d2")
+
+
+def test_engine_roles_in_the_schema():
+    assert EngineSpec(name="a", model="m", kind="external", url="http://x").role == "both"
+    with pytest.raises(ValueError, match="needs kv_connector"):
+        EngineSpec(name="a", model="m", kind="external", url="http://x", role="prefill")
+    s = EngineSpec(name="a", model="m", kind="sim", role="decode", kv_connector="NixlConnector")
+    assert (s.role, s.kv_connector) == ("decode", "NixlConnector")
+
+
+def test_launch_commands_carry_the_role_and_connector():
+    import json
+
+    from engines.process import sim_command, vllm_command
+    s = EngineSpec(name="a", model="m", kind="sim", role="prefill", kv_connector="NixlConnector")
+    argv = sim_command(s, "127.0.0.1", 9000, None)
+    assert argv[argv.index("--role") + 1] == "prefill"
+    assert argv[argv.index("--kv-connector") + 1] == "NixlConnector"
+    v = EngineSpec(name="b", model="m", model_path="/m", role="decode", kv_connector="NixlConnector")
+    argv = vllm_command(v, "127.0.0.1", 9000, "/m")
+    assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    plain = sim_command(EngineSpec(name="c", model="m", kind="sim"), "127.0.0.1", 9000, None)
+    assert "--kv-connector" not in plain and "--role" not in plain
+
+
+def test_a_busy_decode_engine_takes_local_prefills_only_within_its_backlog_budget():
+    cfg = DisaggregationConfig(max_decode_stall_ms=200, prefill_tokens_per_s=10_000)
+    d = Disaggregator(cfg)
+    p, busy = eng("p", "prefill"), eng("d", "decode", in_flight=1)
+    d.speed.start(p, 50_000)  # the prefill engine is 5 s behind
+    assert d.choose(1500, {}, [busy], [p]).prefill is None  # 150 ms backlog: local
+    d.speed.start(busy, 1000)  # 100 ms of prefill already queued on the decode engine
+    assert d.choose(1500, {}, [busy], [p]).prefill is p  # 250 ms > 200 ms: split
+
+
+def test_track_observes_the_first_token_time_on_the_injected_clock():
+    now = [100.0]
+    speed = PrefillSpeed(prior_s_per_token=1e-3, clock=lambda: now[0])
+    e = eng("d", "decode")
+    with speed.track(e, 1000) as first_token:
+        assert speed.outstanding["d"] == 1000
+        now[0] += 0.5
+        first_token()  # 0.5 s for 1000 tokens
+        assert speed.outstanding["d"] == 0
+        first_token()  # once only
+    assert speed.c(e) == pytest.approx(1e-3 + 0.2 * (5e-4 - 1e-3))
+    with speed.track(e, 400):
+        pass  # no first token: counted out, not observed
+    assert speed.outstanding["d"] == 0 and speed.c(e) == pytest.approx(9e-4)
