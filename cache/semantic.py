@@ -35,7 +35,6 @@ Memory bounds
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +47,8 @@ from cache.embedder import BatchingEmbedder
 from cache.guards import Features, compatible, features
 from cache.index import VectorIndex
 from config.schema import SemanticCacheConfig
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 
 STREAM_PREFIX = "sluice:cache:s:"
 _READ_COUNT = 5000
@@ -84,6 +85,7 @@ class SemanticCache:
         redis: a ``redis.asyncio.Redis`` to share entries through, or None for a
             process-local cache. Not closed by :meth:`close`.
         k: nearest neighbours examined per lookup (default 4).
+        clock: times the lookups' stages, s.
 
     Attributes:
         timings_ms: the last lookup's ``embed``, ``sync`` (Redis catch-up) and
@@ -91,7 +93,9 @@ class SemanticCache:
     """
 
     def __init__(self, embedder: BatchingEmbedder, cfg: SemanticCacheConfig,
-                 redis: aioredis.Redis | None = None, k: int = 4) -> None:
+                 redis: aioredis.Redis | None = None, k: int = 4,
+                 clock: Clock = MONOTONIC) -> None:
+        self.clock = clock
         self.embedder = embedder
         self.cfg = cfg
         self.redis = redis
@@ -177,20 +181,20 @@ class SemanticCache:
         """The best stored question in ``scope`` at cosine ≥ ``threshold`` that the
         guards accept, or None. A scope with no entries answers without embedding
         (most multi-turn scopes are unique)."""
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         if self.redis is not None:
             state = self._scope(scope)
             await self._sync(scope, state)
         elif (state := self._scopes.get(scope)) is not None:
             self._scopes.move_to_end(scope)
-        t1 = time.perf_counter()
+        t1 = self.clock.now()
         self.timings_ms = {"sync": (t1 - t0) * 1e3, "embed": 0.0, "search": 0.0}
         if state is None or len(state.index) == 0:
             return None
         vector = await self.embedder.embed(query)
-        t2 = time.perf_counter()
+        t2 = self.clock.now()
         match = await self._run(self._best, state.index, vector, query, threshold)
-        self.timings_ms.update(embed=(t2 - t1) * 1e3, search=(time.perf_counter() - t2) * 1e3)
+        self.timings_ms.update(embed=(t2 - t1) * 1e3, search=(self.clock.now() - t2) * 1e3)
         return match
 
     async def preload(self, scope: str, vectors: np.ndarray, queries: Sequence[str],

@@ -23,6 +23,8 @@ from cache.policy import request_cacheable, response_storable
 from cache.semantic import SemanticCache
 from cache.stores import MemoryByteStore, RedisByteStore
 from config.schema import CacheConfig, TenantCache
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 
 log = logging.getLogger(__name__)
 
@@ -145,16 +147,18 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 REDIS_TIMEOUT_S = 0.5
 
 
-def open_cache(cfg: CacheConfig, embedder: BatchingEmbedder | None = None) -> ResponseCache:
+def open_cache(cfg: CacheConfig, embedder: BatchingEmbedder | None = None,
+               clock: Clock = MONOTONIC) -> ResponseCache:
     """Build the :class:`ResponseCache` for ``cfg.store_url``: ``memory://`` (one
     process, LRU capped at ``cfg.max_bytes``) or ``redis://…`` (shared; the semantic
     entries go through the same connection). ``embedder`` defaults to
     :class:`~cache.embedder.MiniLMEmbedder` behind a
-    :class:`~cache.embedder.BatchingEmbedder` (loads the model, ~1 s)."""
+    :class:`~cache.embedder.BatchingEmbedder` (loads the model, ~1 s). ``clock`` (s)
+    expires ``memory://`` entries and times the semantic lookups."""
     redis: aioredis.Redis | None = None
     store: ByteStore
     if cfg.store_url.startswith("memory://"):
-        store = MemoryByteStore(cfg.max_bytes)
+        store = MemoryByteStore(cfg.max_bytes, clock)
     elif cfg.store_url.startswith(REDIS_SCHEMES):
         redis = aioredis.Redis.from_url(cfg.store_url, socket_timeout=REDIS_TIMEOUT_S,
                                         socket_connect_timeout=REDIS_TIMEOUT_S)
@@ -166,6 +170,6 @@ def open_cache(cfg: CacheConfig, embedder: BatchingEmbedder | None = None) -> Re
         if embedder is None:
             from cache.embedder import MiniLMEmbedder
 
-            embedder = BatchingEmbedder(MiniLMEmbedder())
-        semantic = SemanticCache(embedder, cfg.semantic, redis)
+            embedder = BatchingEmbedder(MiniLMEmbedder(), clock=clock)
+        semantic = SemanticCache(embedder, cfg.semantic, redis, clock=clock)
     return ResponseCache(cfg, ExactCache(store, cfg.default_ttl_s), semantic)

@@ -10,11 +10,12 @@
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
-from collections.abc import Callable
 
 import redis.asyncio as aioredis
+
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 
 
 class MemoryByteStore:
@@ -27,7 +28,7 @@ class MemoryByteStore:
         clock: monotonic seconds (injectable for tests).
     """
 
-    def __init__(self, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_bytes: int, clock: Clock = MONOTONIC) -> None:
         self.max_bytes = max_bytes
         self.used_bytes = 0
         self._clock = clock
@@ -40,7 +41,7 @@ class MemoryByteStore:
         entry = self._entries.get(key)
         if entry is None:
             return None
-        if entry[1] <= self._clock():
+        if entry[1] <= self._clock.now():
             self._drop(key)
             return None
         self._entries.move_to_end(key)
@@ -54,7 +55,7 @@ class MemoryByteStore:
             return
         while self.used_bytes + size > self.max_bytes:
             self._drop(next(iter(self._entries)))
-        self._entries[key] = (value, self._clock() + ttl_s)
+        self._entries[key] = (value, self._clock.now() + ttl_s)
         self.used_bytes += size
 
     def _drop(self, key: str) -> None:

@@ -20,8 +20,9 @@ breaker is not closed gets an inference probe at its next probe).
 from __future__ import annotations
 
 import enum
-import time
-from collections.abc import Callable
+
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 
 
 class BreakerState(enum.Enum):
@@ -44,7 +45,7 @@ class CircuitBreaker:
     """
 
     def __init__(self, failure_threshold: int = 3, open_s: float = 7.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Clock = MONOTONIC) -> None:
         if failure_threshold < 1 or open_s <= 0:
             raise ValueError("failure_threshold must be >= 1 and open_s > 0")
         self.failure_threshold = failure_threshold
@@ -62,7 +63,7 @@ class CircuitBreaker:
     def state(self) -> BreakerState:
         if self._opened_at is None:
             return BreakerState.CLOSED
-        if self.clock() - self._opened_at < self.open_s:
+        if self.clock.now() - self._opened_at < self.open_s:
             return BreakerState.OPEN
         return BreakerState.HALF_OPEN
 
@@ -87,4 +88,4 @@ class CircuitBreaker:
         self._failures += 1
         if self.state is BreakerState.HALF_OPEN or (
                 self._opened_at is None and self._failures >= self.failure_threshold):
-            self._opened_at = self.clock()
+            self._opened_at = self.clock.now()

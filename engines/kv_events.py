@@ -29,9 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any, Protocol
@@ -40,6 +39,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
+
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 
 if TYPE_CHECKING:
     from engines.pool import Engine
@@ -190,7 +192,7 @@ class KVEventSubscriber:
         endpoint: where it publishes.
         sink: receives events and sync state.
         context: ZeroMQ context (default: the process's shared instance).
-        clock: monotonic clock, s.
+        clock: the clock (:data:`limits.clock.MONOTONIC`), s.
         resync_s: :data:`RESYNC_S`.
         replay_timeout_s: :data:`REPLAY_TIMEOUT_S`.
 
@@ -201,7 +203,7 @@ class KVEventSubscriber:
 
     def __init__(self, engine: Engine, endpoint: EventsEndpoint, sink: KVEventSink, *,
                  context: zmq.asyncio.Context | None = None,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Clock = MONOTONIC,
                  resync_s: float = RESYNC_S, replay_timeout_s: float = REPLAY_TIMEOUT_S) -> None:
         self.engine = engine
         self.endpoint = endpoint
@@ -350,11 +352,11 @@ class KVEventSubscriber:
         self.last_seq = None
         self._recent.clear()
         self.sink.clear(self.engine)
-        self._resync_at = self.clock() + self.resync_s
+        self._resync_at = self.clock.now() + self.resync_s
         self._set_synced(False)
 
     def _maybe_synced(self, fresh: bool = False) -> None:
-        if self._resync_at is not None and self.clock() >= self._resync_at:
+        if self._resync_at is not None and self.clock.now() >= self._resync_at:
             self._resync_at, fresh = None, True
         if fresh and self._resync_at is None and self.connected:
             self._set_synced(True)

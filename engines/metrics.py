@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.pool import Engine, EnginePool, MetricsSnapshot
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class MetricsPoller:
         *,
         interval_s: float,
         timeout_s: float,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = MONOTONIC,
     ) -> None:
         self.pool = pool
         self.engine = engine
@@ -165,7 +165,7 @@ class MetricsPoller:
                     log.debug("metrics %s: HTTP %d", url, resp.status)
                     return None
                 text = await resp.text()
-            snapshot = parse_metrics(text, self.clock())
+            snapshot = parse_metrics(text, self.clock.now())
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             log.debug("metrics %s: %r", url, e)
             return None
@@ -174,8 +174,7 @@ class MetricsPoller:
 
     async def run(self) -> None:
         """Scrape until cancelled."""
-        loop = asyncio.get_running_loop()
         while True:
-            started = loop.time()
+            started = self.clock.now()
             await self.scrape_once()
-            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
+            await asyncio.sleep(max(0.0, self.interval_s - (self.clock.now() - started)))

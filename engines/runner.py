@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -47,6 +47,7 @@ from engines.health import backoff_delay, made_progress, probe_inference, probe_
 from engines.pool import Engine, EnginePool, EngineState
 from engines.prepare import resolve_model_path
 from engines.process import CommandBuilder, EngineProcess
+from limits.interfaces import Clock
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class EngineRunner:
         command: CommandBuilder | None,
         log_path: Path,
         model_cache_dir: Path | None,
-        clock: Callable[[], float],
+        clock: Clock,
         extra_args: Sequence[str] = (),
     ) -> None:
         self.engine = engine
@@ -162,7 +163,7 @@ class EngineRunner:
         self.pool.set_state(self.engine, EngineState.UNHEALTHY)
         self.process.kill()
         await self.process.wait()
-        ready_for = self.clock() - self._ready_at if self._ready_at is not None else 0.0
+        ready_for = self.clock.now() - self._ready_at if self._ready_at is not None else 0.0
         return reason, ready_for
 
     async def _race(self, aw: Awaitable[bool] | None, exited: asyncio.Task | None,
@@ -183,16 +184,16 @@ class EngineRunner:
         """Probe until the engine must be restarted; returns the reason. Returns only
         for launched engines (``exited`` given)."""
         cfg, engine = self.cfg, self.engine
-        started = self.clock()
+        started = self.clock.now()
         failures = 0
         last_busy = started
         seen = engine.metrics
         while True:
             await self._race(None, exited, cfg.probe_interval_s)
-            now = self.clock()
+            now = self.clock.now()
             if engine.state is EngineState.STARTING:
                 if await self._race(self._probe(inference=False), exited):
-                    self._ready_at = self.clock()
+                    self._ready_at = self.clock.now()
                     last_busy = self._ready_at
                     self.pool.set_state(engine, EngineState.READY)
                 elif exited is not None and now - started > cfg.startup_grace_s:
@@ -208,10 +209,10 @@ class EngineRunner:
                          or now - last_busy >= cfg.inference_probe_idle_s)
             ok = await self._race(self._probe(inference), exited)
             if inference:
-                last_busy = self.clock()
+                last_busy = self.clock.now()
                 engine.breaker.record(ok)
                 self.pool.notify()  # a closed breaker makes the engine routable again
-            ok = ok or made_progress(seen, engine.metrics, self.clock(), cfg.metrics_stale_s)
+            ok = ok or made_progress(seen, engine.metrics, self.clock.now(), cfg.metrics_stale_s)
             seen = engine.metrics
             if ok:
                 failures = 0

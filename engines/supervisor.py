@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -25,6 +24,8 @@ from engines.metrics import MetricsPoller
 from engines.pool import Engine, EnginePool, EngineState
 from engines.process import DEFAULT_COMMANDS, CommandBuilder, choose_port
 from engines.runner import EngineRunner
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class Supervisor:
         session: aiohttp.ClientSession,
         *,
         model_cache_dir: Path | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = MONOTONIC,
         commands: Mapping[str, CommandBuilder] = DEFAULT_COMMANDS,
         run_dir: Path | None = None,
     ) -> None:

@@ -65,7 +65,8 @@ from gateway.reload import TenantReloader
 from gateway.stats import StatsFeed
 from gateway.tracing import make_tracer
 from limits.admission import AdmissionQueue
-from limits.clock import MonotonicClock
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 from limits.rate_limit import RateLimiter
 from limits.saturation import SaturationDetector
 from limits.stores import open_store
@@ -109,7 +110,8 @@ async def ready(request: web.Request) -> web.Response:
 
 
 def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
-               span_exporter: SpanExporter | None = None) -> web.Application:
+               span_exporter: SpanExporter | None = None,
+               clock: Clock = MONOTONIC) -> web.Application:
     """Build the gateway app for ``cfg``. Engines are launched (or probed, for
     ``external`` ones) when the app starts and drained when it stops.
 
@@ -118,6 +120,8 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
         model_cache_dir: where ``packaged:`` models are prepared (None: default).
         span_exporter: receives the traces (tests); otherwise traces go to the OTLP
             endpoint configured, or are not made.
+        clock: the one monotonic clock (s) read by the request path, the admission
+            queues, the engines' supervisor and the placement (tests inject their own).
 
     Raises:
         ValueError: the scheduler's plugins cannot be built (the configuration
@@ -133,7 +137,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app[TENANTS] = TenantDirectory(cfg.tenants)
     app[POOL] = EnginePool()
     app[SCHEDULER] = Scheduler(cfg.engines.scheduler)
-    app[CLOCK] = clock = MonotonicClock()
+    app[CLOCK] = clock
     app[QUEUES] = {m: AdmissionQueue(model=m, config=cfg.gateway.queue, clock=clock)
                    for m in cfg.engines.model_names()}
     app[STORE] = open_store(limits.store_url, failure=limits.redis_failure,
@@ -186,7 +190,7 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     app[SESSION] = session
     supervisor = Supervisor(cfg=cfg.engines, pool=app[POOL], session=session,
-                            model_cache_dir=app[MODEL_CACHE_DIR])
+                            model_cache_dir=app[MODEL_CACHE_DIR], clock=app[CLOCK])
     app[SUPERVISOR] = supervisor
     await supervisor.start()
     try:
@@ -201,12 +205,12 @@ async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
     the admission queues. Closes the queues, cache and store."""
     cfg, pool, queues, store = app[CONFIG], app[POOL], app[QUEUES], app[STORE]
     # loading the embedding model takes seconds: keep it off the event loop
-    cache = await asyncio.to_thread(open_cache, cfg.gateway.cache) \
+    cache = await asyncio.to_thread(open_cache, cfg.gateway.cache, clock=app[CLOCK]) \
         if cfg.gateway.cache.enabled else None
     app[DIRECTOR] = Director(
         cfg=cfg, pool=pool, scheduler=app[SCHEDULER],
         client=EngineClient(session=app[SESSION], timeouts=cfg.gateway.timeouts,
-                            max_event_bytes=cfg.gateway.max_event_bytes),
+                            max_event_bytes=cfg.gateway.max_event_bytes, clock=app[CLOCK]),
         limiter=app[LIMITER], queues=queues,
         detector=SaturationDetector.from_config(cfg.engines), cache=cache,
         clock=app[CLOCK], spans=app[SPANS])

@@ -104,7 +104,7 @@ class Director:
         self.clock = clock
         #: prefill–decode disaggregation, for models with prefill engines
         self.split_models = frozenset(s.model for s in cfg.engines.engines if s.role == "prefill")
-        disagg = Disaggregator(cfg.engines.disaggregation, clock.now)
+        disagg = Disaggregator(cfg.engines.disaggregation, clock)
         self.placer = Placer(pool=pool, scheduler=scheduler, detector=detector, clock=clock,
                              disagg=disagg, split_models=self.split_models)
         #: each served model's degradation ladder (model_settings builds a pydantic

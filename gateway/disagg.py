@@ -47,7 +47,6 @@ speeds), not a learned latency model.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -61,6 +60,8 @@ from engines.pool import Engine, EngineLease
 from gateway.openai_api import InferenceRequest
 from gateway.proxy import EngineClient, UpstreamFailed
 from gateway.tracing import Spans, inject_traceparent
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 from limits.outcome import Outcome
 
 #: ``kv_transfer_params`` of the prefill leg, as vLLM's proxy sends them.
@@ -114,7 +115,7 @@ class PrefillSpeed:
     """
 
     prior_s_per_token: float
-    clock: Callable[[], float] = time.monotonic
+    clock: Clock = MONOTONIC
     outstanding: dict[str, int] = field(default_factory=dict)
     s_per_token: dict[str, float] = field(default_factory=dict)
 
@@ -137,14 +138,14 @@ class PrefillSpeed:
         """:meth:`start` a prefill of ``tokens`` on ``engine`` for the ``with`` block;
         yields the callback to call at its first token (:meth:`done` with the time
         taken); leaving the block without it ends the prefill unobserved."""
-        ahead, t0 = self.start(engine, tokens), self.clock()
+        ahead, t0 = self.start(engine, tokens), self.clock.now()
         finished = False
 
         def first_token() -> None:
             nonlocal finished
             if not finished:
                 finished = True
-                self.done(engine, tokens, ahead, self.clock() - t0)
+                self.done(engine, tokens, ahead, self.clock.now() - t0)
 
         try:
             yield first_token
@@ -191,7 +192,7 @@ class Disaggregator:
     """
 
     def __init__(self, cfg: DisaggregationConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Clock = MONOTONIC) -> None:
         self.cfg = cfg
         self.speed = PrefillSpeed(1.0 / cfg.prefill_tokens_per_s, clock)
         bits = (cfg.kv_bytes_per_token or 0) * 8

@@ -22,8 +22,7 @@ from gateway.reload import TenantReloader
 from gateway.stats import StatsFeed
 from gateway.tracing import Spans
 from limits.admission import AdmissionQueue
-from limits.clock import MonotonicClock
-from limits.interfaces import CounterStore
+from limits.interfaces import Clock, CounterStore
 from limits.rate_limit import RateLimiter
 
 if TYPE_CHECKING:  # the director reads the per-request keys below
@@ -38,7 +37,8 @@ SCHEDULER = web.AppKey("scheduler", Scheduler)
 QUEUES: web.AppKey[dict[str, AdmissionQueue[Placement]]] = web.AppKey("queues")
 STORE = web.AppKey("store", CounterStore)
 LIMITER = web.AppKey("limiter", RateLimiter)
-CLOCK = web.AppKey("clock", MonotonicClock)
+#: the one clock of the request path, the engines and the limits
+CLOCK = web.AppKey("clock", Clock)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 STATS = web.AppKey("stats", StatsFeed)
 OBSERVERS = web.AppKey("observers", list[Observer])  # called with each finished record

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -22,7 +21,7 @@ from opentelemetry.trace import SpanKind
 
 from gateway.auth import presented_key
 from gateway.errors import error_response
-from gateway.keys import CONFIG, OBSERVERS, RECORD, REQUEST_ID, SPANS, TENANT, TENANTS
+from gateway.keys import CLOCK, CONFIG, OBSERVERS, RECORD, REQUEST_ID, SPANS, TENANT, TENANTS
 from gateway.record import RequestRecord
 from gateway.tracing import PROPAGATOR, finish_span
 from limits.outcome import Outcome, Rejected
@@ -62,7 +61,8 @@ def _error(request: web.Request, exc: BaseException, rid: str) -> web.Response:
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     rid = request_id_of(request)
     request[REQUEST_ID] = rid
-    rec = RequestRecord(request_id=rid, path=request.path)
+    clock = request.app[CLOCK]
+    rec = RequestRecord(request_id=rid, path=request.path, started=clock.now())
     request[RECORD] = rec
     if not request.path.startswith("/v1/"):
         return await _run(request, handler, rec)
@@ -72,7 +72,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         try:
             return await _run(request, handler, rec)
         finally:
-            rec.duration_s = time.perf_counter() - rec.started
+            rec.duration_s = clock.now() - rec.started
             finish_span(span, rec)
             for observe in request.app[OBSERVERS]:
                 observe(rec)

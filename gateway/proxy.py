@@ -39,6 +39,7 @@ from engines.pool import Engine
 from gateway.errors import sse_error_event
 from gateway.openai_api import PATHS, InferenceRequest
 from gateway.sse import EventFramer, EventTooLarge, StreamSummary
+from limits.interfaces import Clock
 from limits.outcome import Outcome, Rejected
 
 log = logging.getLogger("sluice.proxy")
@@ -185,11 +186,20 @@ def engine_error(engine_id: str, status: int, headers: Mapping[str, str],
 
 
 class EngineClient:
-    """Sends :class:`InferenceRequest` s to engines and relays the answers."""
+    """Sends :class:`InferenceRequest` s to engines and relays the answers.
+
+    Args:
+        session: the shared client session (not closed here).
+        timeouts: connect, first-token, idle and total limits, s.
+        max_event_bytes: longest stream event relayed, bytes.
+        clock: measures TTFT, s (the app's clock). The timeouts are the event loop's
+            timers (``asyncio.timeout``), so their deadlines are in ``loop.time()``.
+    """
 
     def __init__(self, session: aiohttp.ClientSession, timeouts: Timeouts,
-                 max_event_bytes: int) -> None:
+                 max_event_bytes: int, clock: Clock) -> None:
         self.session = session
+        self.clock = clock
         self.timeouts = timeouts
         self.max_event_bytes = max_event_bytes
         self._client_timeout = aiohttp.ClientTimeout(
@@ -239,7 +249,7 @@ class EngineClient:
             asyncio.CancelledError: the client went away; the upstream request is
                 closed first, which makes vLLM abort it.
         """
-        start = time.perf_counter()
+        start = self.clock.now()
         try:
             async with asyncio.timeout(self.timeouts.first_token_s if req.stream
                                        else self.timeouts.non_stream_s):
@@ -276,7 +286,7 @@ class EngineClient:
             outcome=Outcome.OK,
             response=web.Response(body=raw, content_type="application/json", headers=headers),
             prompt_tokens=prompt, completion_tokens=completion,
-            ttft_s=time.perf_counter() - start, answer=answer,
+            ttft_s=self.clock.now() - start, answer=answer,
             finish_reasons=[r for r in reasons if r],
         )
 
@@ -311,7 +321,7 @@ class EngineClient:
                             continue  # the usage-only chunk the client did not ask for
                         keep.append(ev)
                     if ttft is None and (summary.content_chunks or summary.finish_reasons):
-                        ttft = time.perf_counter() - start
+                        ttft = self.clock.now() - start
                         trace.get_current_span().add_event("first_token")
                         if on_first_token is not None:
                             on_first_token()

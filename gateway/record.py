@@ -4,7 +4,6 @@ refused before the pipeline: 401, 404, 413) and handed to observers once it ends
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,7 +15,8 @@ UNKNOWN = "unknown"
 
 @dataclass
 class RequestRecord:
-    """Times in seconds (``started`` is ``time.perf_counter()``); ``cache`` is
+    """Times in seconds (``started`` is the app's clock,
+    :class:`~limits.interfaces.Clock`, when the request arrived); ``cache`` is
     ``hit-exact``, ``hit-semantic``, ``miss`` or ``bypass``; ``degraded`` lists the
     degradation actions applied (``max_tokens=256``, ``model=small``); ``reason`` is
     the finer cause of a rejection (``requests_per_min``, ``queue_full``…);
@@ -45,7 +45,7 @@ class RequestRecord:
     stream: bool = False
     inference: bool = False
     finish_reasons: list[str] = field(default_factory=list)
-    started: float = field(default_factory=time.perf_counter)
+    started: float = 0.0
     duration_s: float = 0.0
 
     @property

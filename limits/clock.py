@@ -1,4 +1,5 @@
-"""The real clock."""
+"""The real clock: the one :class:`~limits.interfaces.Clock` the gateway, the limits,
+the engines' supervisor and the response cache read (tests inject their own)."""
 
 from __future__ import annotations
 
@@ -11,3 +12,7 @@ class MonotonicClock:
 
     def now(self) -> float:
         return time.monotonic()
+
+
+#: The process's real clock, shared as the default of every ``clock`` argument.
+MONOTONIC = MonotonicClock()

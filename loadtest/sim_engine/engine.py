@@ -8,9 +8,9 @@ with ``speed`` factors fit on a couple of cores.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
+from limits.clock import MONOTONIC
+from limits.interfaces import Clock
 from loadtest.sim_engine.kv_cache import KVCache
 from loadtest.sim_engine.kv_events import SimEventPublisher
 from loadtest.sim_engine.metrics import sim_metrics
@@ -34,7 +34,7 @@ class SimEngine:
     """
 
     def __init__(self, profile: Profile, model_name: str, speed: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Clock = MONOTONIC,
                  publisher: SimEventPublisher | None = None,
                  prompt_tokens_details: bool = False) -> None:
         if speed <= 0:
@@ -70,7 +70,7 @@ class SimEngine:
 
     def submit(self, req: SimRequest) -> None:
         """Queue ``req`` (its ``arrival_s`` is set to now)."""
-        req.arrival_s = self.clock()
+        req.arrival_s = self.clock.now()
         self.scheduler.add(req)
         self._wake.set()
 
@@ -96,7 +96,7 @@ class SimEngine:
             step_s = self.profile.step_seconds(plan.prefill_tokens, plan.decode_seqs,
                                                plan.kv_tokens)
             await asyncio.sleep(step_s / self.speed)
-            now = self.clock()
+            now = self.clock.now()
             for req in self.scheduler.commit(plan, now):
                 if req.last_itl_s is None:
                     self.metrics.ttft.observe((now - req.arrival_s) * self.speed)

@@ -95,14 +95,25 @@ def _text(content: Any) -> str:
                        param="messages")
 
 
-def _common(body: Any, served_model: str) -> tuple[int | None, int, bool, bool, str | None]:
+def _output_cap(body: dict[str, Any], chat: bool) -> Any:
+    """The output cap as vLLM 0.32 reads it: chat takes ``max_completion_tokens`` when
+    it is not null, else ``max_tokens`` (``ChatCompletionRequest.to_sampling_params``,
+    ``vllm/entrypoints/openai/chat_completion/protocol.py``); completions read
+    ``max_tokens`` only."""
+    if chat and body.get("max_completion_tokens") is not None:
+        return body["max_completion_tokens"]
+    return body.get("max_tokens")
+
+
+def _common(body: Any, served_model: str,
+            chat: bool) -> tuple[int | None, int, bool, bool, str | None]:
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     model = body.get("model")
     if model is not None and model != served_model:
         raise RequestError(f"The model `{model}` does not exist.", 404, "NotFoundError",
                            "model")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _output_cap(body, chat)
     if max_tokens is not None and (not isinstance(max_tokens, int)
                                    or isinstance(max_tokens, bool) or max_tokens < 1):
         raise RequestError(f"max_tokens must be at least 1, got {max_tokens}.",
@@ -132,7 +143,7 @@ def _common(body: Any, served_model: str) -> tuple[int | None, int, bool, bool, 
 
 def parse_chat(body: Any, served_model: str) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` body; raises :class:`RequestError`."""
-    max_tokens, n, stream, include_usage, salt = _common(body, served_model)
+    max_tokens, n, stream, include_usage, salt = _common(body, served_model, chat=True)
     messages = body.get("messages")
     if (not isinstance(messages, list) or not messages
             or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -146,7 +157,7 @@ def parse_chat(body: Any, served_model: str) -> ParsedRequest:
 def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     """Validate a ``/v1/completions`` body (prompt: a string, a one-string list or
     a list of token ids); raises :class:`RequestError`."""
-    max_tokens, n, stream, include_usage, salt = _common(body, served_model)
+    max_tokens, n, stream, include_usage, salt = _common(body, served_model, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]

@@ -151,7 +151,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                        cache_salt=parsed.cache_salt) for i in range(parsed.n)]
     cached = ((lambda: reqs[0].num_cached_tokens) if engine.prompt_tokens_details
               else (lambda: None))
-    arrival = engine.clock()
+    arrival = engine.clock.now()
     # the connector's legs are single-sequence requests (vLLM's proxy sends n = 1)
     legs = connector if connector is not None and parsed.n == 1 else None
     if legs is not None and legs.remote_prefill(params):

@@ -1,22 +1,46 @@
-"""Every CounterStore behaviour, against ``memory://`` and a real Redis."""
+"""Every CounterStore behaviour, against ``memory://`` (on a hand-driven clock) and a
+real Redis (on its server clock: time passes for real)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from limits.interfaces import Bucket, CounterStore
 from limits.stores import open_store
+from tests.support import ManualClock
+
+Elapse = Callable[[float], Awaitable[None]]
 
 
 @pytest.fixture(params=["memory", "redis"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[CounterStore]:
-    url = "memory://" if request.param == "memory" else request.getfixturevalue("redis_url")
-    s = open_store(url)
-    yield s
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[tuple[CounterStore, Elapse]]:
+    """The store and how to let ``s`` seconds pass on its clock."""
+    if request.param == "memory":
+        clock = ManualClock()
+        s = open_store("memory://", clock=clock)
+
+        async def elapse(seconds: float) -> None:
+            clock.advance(seconds)
+    else:
+        s = open_store(request.getfixturevalue("redis_url"))
+
+        async def elapse(seconds: float) -> None:
+            await asyncio.sleep(seconds)  # Redis's server clock: only real time moves it
+    yield s, elapse
     await s.close()
+
+
+@pytest.fixture
+def store(backend: tuple[CounterStore, Elapse]) -> CounterStore:
+    return backend[0]
+
+
+@pytest.fixture
+def elapse(backend: tuple[CounterStore, Elapse]) -> Elapse:
+    return backend[1]
 
 
 def per_min(key: str, limit: float, cost: float = 1) -> Bucket:
@@ -58,12 +82,12 @@ async def test_denied_index_is_the_longest_wait(store: CounterStore) -> None:
     assert r.denied == 1 and r.retry_after_s == pytest.approx(10, abs=0.1)
 
 
-async def test_bucket_refills_at_rate(store: CounterStore) -> None:
+async def test_bucket_refills_at_rate(store: CounterStore, elapse: Elapse) -> None:
     fast = Bucket("f", 1, 50, 1)  # 50/s, burst 1
     assert (await store.take([fast])).allowed
     denied = await store.take([fast])
     assert not denied.allowed and 0 < denied.retry_after_s <= 0.021
-    await asyncio.sleep(denied.retry_after_s + 0.01)
+    await elapse(denied.retry_after_s + 0.01)
     assert (await store.take([fast])).allowed
 
 
@@ -107,18 +131,18 @@ async def test_leases_limit_renew_and_release(store: CounterStore) -> None:
     assert not await store.acquire("c", "d", 2, 60)
 
 
-async def test_expired_leases_free_their_slots(store: CounterStore) -> None:
+async def test_expired_leases_free_their_slots(store: CounterStore, elapse: Elapse) -> None:
     assert await store.acquire("e", "crashed-replica", 1, 0.15)
     assert not await store.acquire("e", "other", 1, 60)
-    await asyncio.sleep(0.25)
+    await elapse(0.25)
     assert await store.acquire("e", "other", 1, 60)
 
 
-async def test_renewal_extends_a_lease(store: CounterStore) -> None:
+async def test_renewal_extends_a_lease(store: CounterStore, elapse: Elapse) -> None:
     assert await store.acquire("n", "long", 1, 0.3)
-    await asyncio.sleep(0.2)
+    await elapse(0.2)
     assert await store.acquire("n", "long", 1, 0.3)
-    await asyncio.sleep(0.2)  # past the first expiry, inside the renewed one
+    await elapse(0.2)  # past the first expiry, inside the renewed one
     assert not await store.acquire("n", "other", 1, 60)
 
 

@@ -29,6 +29,7 @@ from engines.pool import Engine
 from engines.prefix_events import EventPrefixIndex
 from loadtest.launch import free_port
 from loadtest.sim_engine.kv_events import KVEventsConfig, SimEventPublisher
+from tests.support import ManualClock
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "vllm_0.32_kv_event_batch.msgpack"
 TOKENS = list(range(1000, 1032))  # 8 blocks of 4
@@ -74,12 +75,12 @@ class Harness:
         self.replay = replay
         self.engine = Engine("e0", "m", "http://127.0.0.1:1")
         self.index = EventPrefixIndex()
-        self.now = [0.0]
+        self.clock = ManualClock(0.0)
         endpoint = EventsEndpoint(
             f"tcp://127.0.0.1:{self.pub_port}",
             f"tcp://127.0.0.1:{self.replay_port}" if replay else None, "kv@e0")
         self.sub = KVEventSubscriber(self.engine, endpoint, self.index, context=self.ctx,
-                                     clock=lambda: self.now[0], resync_s=30.0)
+                                     clock=self.clock, resync_s=30.0)
         self.publisher: SimEventPublisher | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -105,7 +106,7 @@ class Harness:
                 await self.sub.changed.wait()
 
     def match(self) -> int:
-        return self.index.match(self.engine, KEYS, self.now[0])
+        return self.index.match(self.engine, KEYS, self.clock.now())
 
 
 @pytest.fixture
@@ -186,7 +187,7 @@ async def test_publisher_that_dies_falls_back_to_approximate(harness: Harness):
     await harness.until(lambda: harness.sub.batches == 1)
     harness.index.record(harness.engine, KEYS[:6], now=0.0)  # routing history
     assert harness.match() == 6  # synced: the engine's report or a route just made
-    harness.now[0] = 60.0  # the route prediction has expired; routing history has not
+    harness.clock.advance(60.0)  # the route prediction has expired; routing history has not
     assert harness.match() == 1
     harness.stop_publisher()
     await harness.until(lambda: not harness.sub.synced)
@@ -204,7 +205,7 @@ async def test_loss_without_replay_socket_stays_unsynced_for_resync_s():
         pub.publish([stored([b"a", b"b"], 0)])
         await h.until(lambda: h.sub.batches == 1)
         assert not h.sub.synced and h.index.entries("e0") == 2
-        h.now[0] = 31.0  # resync_s later, the rebuilt entries are trusted
+        h.clock.advance(31.0)  # resync_s later, the rebuilt entries are trusted
         pub.publish([stored([b"c"], 2, parent=b"b")])
         await h.until(lambda: h.sub.synced)
         assert h.match() == 3

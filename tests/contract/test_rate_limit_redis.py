@@ -16,7 +16,10 @@ from tests.conftest import RedisServer
 
 @pytest.fixture
 async def replicas(redis_url: str) -> AsyncIterator[list[RateLimiter]]:
-    stores = [open_store(redis_url) for _ in range(3)]
+    # a generous timeout: these tests are about atomicity across replicas, and a slow
+    # reply on a busy machine must not fail over to the local limiter (outages are
+    # tested in test_redis_store_outage.py)
+    stores = [open_store(redis_url, timeout_s=5) for _ in range(3)]
     yield [RateLimiter(s) for s in stores]
     for s in stores:
         await s.close()
@@ -56,7 +59,7 @@ async def test_cancelled_stream_returns_its_slot(replicas: list[RateLimiter]) ->
     async def stream() -> None:
         async with await replicas[0].reserve(t, 0, request_id="s"):
             started.set()
-            await asyncio.sleep(60)
+            await asyncio.Event().wait()  # a stream that lasts until cancelled
 
     task = asyncio.create_task(stream())
     await started.wait()

@@ -3,7 +3,6 @@ and both recover by themselves when Redis returns."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -15,15 +14,13 @@ from limits.interfaces import Bucket
 from limits.outcome import Outcome, Rejected
 from limits.stores import open_store
 from tests.conftest import RedisServer
+from tests.support import wait_for
 
 BUCKET = Bucket("sluice:{t}:rpm", 1, 100 / 60, 100)
 
 
-async def wait_healthy(store: FailoverStore, timeout_s: float = 10) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not store.healthy:
-        assert time.monotonic() < deadline, "store did not recover"
-        await asyncio.sleep(0.05)
+async def wait_healthy(store: FailoverStore) -> None:
+    await wait_for(lambda: store.healthy, timeout_s=10, what="the store to recover")
 
 
 def redis_has(url: str, key: str) -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import signal
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -17,6 +16,7 @@ import psutil
 import pytest
 
 from loadtest.launch import RunningGateway, gateway
+from tests.support import wait_for_sync
 
 pytestmark = pytest.mark.slow
 MODEL = "gemma3-270m"
@@ -89,22 +89,14 @@ def test_client_disconnect_lowers_engine_running(served):
         for _ in r.iter_raw():
             if _running(engine) >= 1:
                 break
-    deadline = time.monotonic() + 2.0
-    while _running(engine) > 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _running(engine) == 0
+    wait_for_sync(lambda: _running(engine) == 0, 2.0, "vLLM to abort the request")
 
 
 def test_engine_killed_is_restarted(served, client):
     (victim,) = served.engine_processes()
     victim.send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if httpx.get(served.url + "/ready", timeout=2).status_code == 503:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError("the killed engine was not marked unhealthy")
+    wait_for_sync(lambda: httpx.get(served.url + "/ready", timeout=2).status_code == 503, 30,
+                  "the killed engine to be marked unhealthy")
     served.wait_ready(300)
     assert served.engine_processes()[0].pid != victim.pid
     r = client.chat.completions.create(model=MODEL, max_tokens=4,

@@ -33,7 +33,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--startup-delay", type=float, default=0.0, help="s before listening")
     p.add_argument("--exit-after", type=float, default=None, help="exit(3) after s")
     p.add_argument("--health-fail-file", type=Path, default=None,
-                   help="/health answers 503 while this file exists")
+                   help="/health answers 503 while this file exists (and appends a line "
+                   "to it per failed answer)")
     p.add_argument("--completion-delay", type=float, default=0.0, help="s per completion")
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--child-pid-file", type=Path, default=None,
@@ -47,6 +48,8 @@ def make_app(args: argparse.Namespace) -> web.Application:
 
     async def health(_: web.Request) -> web.Response:
         if args.health_fail_file and args.health_fail_file.exists():
+            with args.health_fail_file.open("a") as f:
+                f.write("503\n")
             return web.Response(status=503)
         return web.Response()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -14,9 +13,11 @@ from aiohttp import web
 from config.schema import Config, EnginesConfig, GatewayConfig, TenantsConfig
 from gateway.app import create_app
 from gateway.errors import GatewayRunner
-from gateway.keys import POOL
+from gateway.keys import DIRECTOR, OBSERVERS, POOL
+from gateway.record import RequestRecord
 from tests.conftest import free_port
 from tests.integration.fake_engine import FakeEngine
+from tests.support import wait_for
 
 FAST_SUPERVISOR = {"probe_interval_s": 0.1, "probe_timeout_s": 1.0, "failure_threshold": 2,
                    "metrics_interval_s": 0.2, "restart_backoff_s": 0.1,
@@ -41,8 +42,17 @@ def make_config(engines: list[FakeEngine], *, gateway: dict[str, Any] | None = N
 
 
 class Gateway:
+    """A running gateway app and a client session to it. ``sent`` counts the requests
+    made with :meth:`post`, ``finished`` the requests whose record reached the
+    observers (the gateway is done with them)."""
+
     def __init__(self, app: web.Application, url: str, session: aiohttp.ClientSession) -> None:
         self.app, self.url, self.session = app, url, session
+        self.sent = self.finished = 0
+        app[OBSERVERS].append(self._finished)
+
+    def _finished(self, rec: RequestRecord) -> None:
+        self.finished += 1
 
     @property
     def pool(self):
@@ -51,14 +61,19 @@ class Gateway:
     async def post(self, path: str, body: Any = None, **kw: Any) -> aiohttp.ClientResponse:
         if body is not None and "data" not in kw:
             kw["json"] = body
+        self.sent += 1
         return await self.session.post(self.url + path, **kw)
 
     async def wait_ready(self, n: int, timeout_s: float = 10.0) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while sum(e.routable for e in self.pool.engines) < n:
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError("engines did not become ready")
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: sum(e.routable for e in self.pool.engines) >= n, timeout_s,
+                       f"{n} routable engines")
+
+    async def idle(self) -> None:
+        """Wait until the gateway finished every request :meth:`post` sent and every
+        answer it stores in the cache off the response path."""
+        director = self.app[DIRECTOR]
+        await wait_for(lambda: self.finished >= self.sent and not director._background,
+                       what="the gateway to finish its requests and cache stores")
 
 
 @asynccontextmanager
@@ -67,9 +82,9 @@ async def run_gateway(cfg: Config, ready: int | None = None,
     app = app if app is not None else create_app(cfg)
     runner = GatewayRunner(app, handler_cancellation=True, shutdown_timeout=2)
     await runner.setup()
-    port = free_port()
-    site = web.TCPSite(runner, "127.0.0.1", port)
+    site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
+    port = runner.addresses[0][1]
     async with aiohttp.ClientSession() as session:
         gw = Gateway(app, f"http://127.0.0.1:{port}", session)
         await gw.wait_ready(len(cfg.engines.engines) if ready is None else ready)

@@ -71,7 +71,7 @@ class FakeEngine:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = self.runner.addresses[0][1]
         return self
 
     async def stop(self) -> None:

@@ -7,18 +7,20 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.auth import hash_key
 from tests.conftest import free_port
+from tests.support import wait_for_sync
 
 MODEL = "sim-model"
 #: Supervisor timings for tests: quick probes and metrics.
@@ -85,9 +87,9 @@ def gateways(config_dir: Path, n: int = 1, *, timeout_s: float = 60.0) -> Iterat
                 stdout=log.open("wb"), stderr=subprocess.STDOUT,
                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
             procs.append(GatewayProc(proc, f"http://127.0.0.1:{port}", log))
-        deadline = time.monotonic() + timeout_s
         pending = list(procs)
-        while pending:
+
+        def all_ready() -> bool:
             for g in list(pending):
                 if g.proc.poll() is not None:
                     raise RuntimeError(f"gateway exited: {g.log.read_text()[-2000:]}")
@@ -96,9 +98,9 @@ def gateways(config_dir: Path, n: int = 1, *, timeout_s: float = 60.0) -> Iterat
                         pending.remove(g)
                 except httpx.HTTPError:
                     pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("gateways did not become ready")
-            time.sleep(0.1)
+            return not pending
+
+        wait_for_sync(all_ready, timeout_s, "the gateways to answer /ready")
         yield procs
     finally:
         for g in procs:
@@ -110,6 +112,17 @@ def gateways(config_dir: Path, n: int = 1, *, timeout_s: float = 60.0) -> Iterat
             except subprocess.TimeoutExpired:
                 g.proc.kill()
                 g.proc.wait()
+
+
+async def queue_depth(session: aiohttp.ClientSession, url: str, *, model: str = MODEL,
+                      priority: str | None = None) -> float:
+    """Requests waiting in the gateway's admission queue for ``model`` (and
+    ``priority``), from its ``/metrics``."""
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(m.value for f in text_string_to_metric_families(text) for m in f.samples
+               if m.name == "sluice_queue_depth" and m.labels["model"] == model
+               and priority in (None, m.labels["priority"]))
 
 
 def chat(content: str = "hello there", max_tokens: int = 4, *, stream: bool = False,

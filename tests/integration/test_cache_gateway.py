@@ -13,6 +13,7 @@ from gateway.auth import hash_key
 from loadtest.launch import gateway
 from tests.integration.conftest import make_config, run_gateway
 from tests.integration.test_gateway_api import CHAT, sse_events
+from tests.support import wait_for_sync
 
 DET = {**CHAT, "temperature": 0}
 TENANTS = {"allow_anonymous": False, "tenants": [
@@ -20,11 +21,6 @@ TENANTS = {"allow_anonymous": False, "tenants": [
     {"name": "b", "api_key_hashes": [hash_key("kb")]}]}
 A = {"Authorization": "Bearer ka"}
 B = {"Authorization": "Bearer kb"}
-
-
-async def stored(gw) -> None:
-    """Let the background store finish (it runs off the response path)."""
-    await asyncio.sleep(0.1)
 
 
 def stream_text(raw: bytes) -> tuple[str, dict | None]:
@@ -43,7 +39,7 @@ async def test_hit_replays_as_json_and_as_stream_whichever_way_it_was_made(engin
         r = await gw.post("/v1/chat/completions", {**DET, "stream": True}, headers=A)
         text, _ = stream_text(await r.read())
         assert r.headers["x-sluice-cache"] == "miss" and text == fake.reply
-        await stored(gw)
+        await gw.idle()
         r = await gw.post("/v1/chat/completions", DET, headers=A)  # JSON from a stream
         body = await r.json()
         assert r.headers["x-sluice-cache"] == "hit-exact"
@@ -66,7 +62,7 @@ async def test_sampled_and_no_cache_requests_bypass(engines):
             r = await gw.post("/v1/chat/completions", CHAT)
             assert r.headers["x-sluice-cache"] == "bypass"
         await gw.post("/v1/chat/completions", DET)
-        await stored(gw)
+        await gw.idle()
         r = await gw.post("/v1/chat/completions", DET, headers={"Cache-Control": "no-cache"})
         assert r.headers["x-sluice-cache"] == "bypass"
         assert len(fake.received) == 4
@@ -80,7 +76,7 @@ async def test_errors_and_aborted_streams_are_not_stored(engines):
         assert b"[DONE]" not in await r.read()
         fake.mode = "error500"
         assert (await gw.post("/v1/chat/completions", DET)).status == 502
-        await stored(gw)
+        await gw.idle()
         fake.mode = "ok"
         r = await gw.post("/v1/chat/completions", DET)
         assert r.status == 200 and r.headers["x-sluice-cache"] == "miss"
@@ -90,7 +86,7 @@ async def test_tenants_never_share_entries(engines):
     (fake,) = await engines(1)
     async with run_gateway(make_config([fake], tenants=TENANTS)) as gw:
         await gw.post("/v1/chat/completions", DET, headers=A)
-        await stored(gw)
+        await gw.idle()
         r = await gw.post("/v1/chat/completions", DET, headers=B)
         assert r.headers["x-sluice-cache"] == "miss"
         r = await gw.post("/v1/chat/completions", DET, headers=A)
@@ -110,10 +106,14 @@ async def test_two_gateway_processes_share_entries_through_redis(engines, redis_
         with gateway(tmp_path, ready_timeout_s=60) as one, gateway(tmp_path, ready_timeout_s=60) as two:
             first = httpx.post(one.url + "/v1/chat/completions", json=DET, timeout=30)
             assert first.status_code == 200
-            for _ in range(50):  # stored in the background; poll briefly
-                second = httpx.post(two.url + "/v1/chat/completions", json=DET, timeout=30)
-                if second.headers["x-sluice-cache"] != "miss":
-                    break
+            answers = []
+
+            def hit() -> bool:  # the first gateway stores in the background
+                answers.append(httpx.post(two.url + "/v1/chat/completions", json=DET, timeout=30))
+                return answers[-1].headers["x-sluice-cache"] != "miss"
+
+            wait_for_sync(hit, 5, "the second gateway to see the stored answer")
+            second = answers[-1]
             return [first.headers["x-sluice-cache"], second.headers["x-sluice-cache"],
                     second.json()["choices"][0]["message"]["content"]]
 
@@ -126,9 +126,9 @@ async def test_streamed_answers_with_logprobs_or_tools_are_not_stored(engines):
     async with run_gateway(make_config([fake])) as gw:
         body = {**DET, "logprobs": True}
         await (await gw.post("/v1/chat/completions", {**body, "stream": True})).read()
-        await stored(gw)
+        await gw.idle()
         r = await gw.post("/v1/chat/completions", body)  # would lack the logprobs
         assert r.headers["x-sluice-cache"] == "miss"
-        await stored(gw)
+        await gw.idle()
         r = await gw.post("/v1/chat/completions", {**body, "stream": True})
         assert r.headers["x-sluice-cache"] == "hit-exact"  # the JSON answer was complete

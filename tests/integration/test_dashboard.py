@@ -39,7 +39,6 @@ from aiohttp import web
 
 from gateway.auth import hash_key
 from gateway.dashboard import dashboard
-from tests.conftest import free_port
 from tests.integration.limits_support import (
     MODEL,
     auth,
@@ -49,6 +48,7 @@ from tests.integration.limits_support import (
     tenant,
     write_config,
 )
+from tests.support import wait_for
 
 try:
     from playwright.async_api import Browser, Page, async_playwright
@@ -275,8 +275,8 @@ async def contract_server(feed: dict[str, Any], key: str | None = None):
     app.router.add_get("/admin/stats", stats)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
     try:
         yield f"http://127.0.0.1:{port}", seen
     finally:
@@ -404,11 +404,14 @@ async def reload_tenants(config_dir: Path, session: aiohttp.ClientSession, url: 
     for text, want in ((yaml.safe_dump(changed), before + 1),
                        ("tenants:\n  - name: beta\n    weight: -1\n", before + 2),
                        (yaml.safe_dump(changed), before + 3)):
-        path.write_text(text)
-        deadline = time.monotonic() + 10
-        while len((await fetch_stats(session, url))["reloads"]) < want:
-            assert time.monotonic() < deadline, "tenants.yaml reload not reported"
-            await asyncio.sleep(0.2)
+        staged = path.with_suffix(".staged")  # replaced whole: the watcher never reads
+        staged.write_text(text)              # a half-written file (an extra "error")
+        staged.replace(path)
+
+        async def reported(want: int = want) -> bool:
+            return len((await fetch_stats(session, url))["reloads"]) >= want
+
+        await wait_for(reported, 10, "the feed to report the tenants.yaml reload", poll_s=0.2)
 
 
 async def test_live_dashboard_during_load(browser, live_gateway, tmp_path: Path) -> None:

@@ -11,16 +11,9 @@ import pytest
 
 from tests.integration.conftest import make_config, run_gateway
 from tests.integration.test_gateway_api import CHAT, error_of, sse_events
+from tests.support import wait_for
 
 CLIENT_WAIT_S = 10.0  # the old gateway relayed nothing and never timed out: fail, not hang
-
-
-async def _until(pred, timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not pred():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 async def test_an_event_past_max_event_bytes_ends_the_stream_and_frees_the_engine(engines):
@@ -31,7 +24,7 @@ async def test_an_event_past_max_event_bytes_ends_the_stream_and_frees_the_engin
         r = await gw.post("/v1/chat/completions", {**CHAT, "stream": True})
         assert r.status == 200
         body = await asyncio.wait_for(r.read(), CLIENT_WAIT_S)
-        await _until(lambda: fake.aborted == 1)  # the engine connection was closed
+        await wait_for(lambda: fake.aborted == 1)  # the engine connection was closed
         assert gw.pool.engines[0].in_flight == 0
     events = sse_events(body)
     assert json.loads(events[0][6:])["choices"][0]["delta"]["role"] == "assistant"

@@ -7,6 +7,7 @@ import json
 
 from gateway.auth import hash_key
 from tests.integration.conftest import make_config, run_gateway
+from tests.support import wait_for
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}]}
 
@@ -244,11 +245,7 @@ async def test_client_disconnect_aborts_upstream(engines):
         await r.content.readany()
         assert fake.running == 1
         r.close()  # the client goes away mid-stream
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 2.0
-        while fake.running and loop.time() < deadline:
-            await asyncio.sleep(0.02)
-        assert fake.running == 0
+        await wait_for(lambda: fake.running == 0, 2.0, "the engine to abort the request")
         assert fake.aborted == 1
         assert gw.pool.engines[0].in_flight == 0
 
@@ -261,10 +258,7 @@ async def test_models_lists_ready_engines_while_one_is_down(engines):
         assert sorted(m["id"] for m in (await r.json())["data"]) == ["fake-model", "second-model"]
         assert (await gw.session.get(gw.url + "/ready")).status == 200
         await b.stop()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 5
-        while gw.pool.engines[1].routable and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: not gw.pool.engines[1].routable, 5, "the stopped engine to leave")
         r = await gw.session.get(gw.url + "/v1/models")
         assert r.status == 200
         assert [m["id"] for m in (await r.json())["data"]] == ["fake-model"]
@@ -281,22 +275,18 @@ async def test_first_token_timeouts_count_as_failed_probes(engines):
         for _ in range(2):  # /health answers, but no token ever comes
             r = await gw.post("/v1/chat/completions", {**CHAT, "stream": True})
             assert r.status == 504
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 3
         assert engine.breaker.state.value == "open" and not engine.routable
         metrics = await (await gw.session.get(gw.url + "/metrics")).text()
         assert 'sluice_engine_breaker_open{engine="e0",model="fake-model"} 1.0' in metrics
-        while engine.state.value != "unhealthy" and loop.time() < deadline:
-            await asyncio.sleep(0.05)
         # the two requests, then the runner's failed inference probes
-        assert engine.state.value == "unhealthy" and engine.breaker.failures >= 2
-        await asyncio.sleep(1.5)  # /health answers, but the inference probe still hangs
+        await wait_for(lambda: engine.state.value == "unhealthy", 3, "the engine to turn unhealthy")
+        assert engine.breaker.failures >= 2
+        # /health answers, but two more inference probes time out: it stays unhealthy
+        probes = fake.aborted
+        await wait_for(lambda: fake.aborted >= probes + 2, 5, "two more timed-out probes")
         assert engine.state.value == "unhealthy"
         fake.mode = "ok"  # a 1-token completion answers again: back in service
-        deadline = loop.time() + 3
-        while not engine.routable and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        assert engine.routable
+        await wait_for(lambda: engine.routable, 3, "the engine to be routable again")
 
 
 async def test_a_stalled_request_body_times_out_with_408(engines):

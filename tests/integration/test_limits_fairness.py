@@ -21,10 +21,12 @@ from tests.integration.limits_support import (
     chat,
     check_rejection,
     gateways,
+    queue_depth,
     sim_engine,
     tenant,
     write_config,
 )
+from tests.support import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,7 +92,10 @@ async def test_interactive_queue_wait_bounded_while_batch_floods(gateway_url: st
     end = time.monotonic() + 8.0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def chat_user() -> None:
-            await asyncio.sleep(1.0)  # let the batch backlog build first
+            async def backlog() -> bool:  # let the batch backlog build first
+                return await queue_depth(session, gateway_url, priority="batch") >= 30
+
+            await wait_for(backlog, 5, "the batch backlog", poll_s=0.05)
             tasks = []
             while time.monotonic() < end - 1.0:
                 tasks.append(asyncio.create_task(

@@ -15,10 +15,12 @@ from tests.integration.limits_support import (
     auth,
     chat,
     gateways,
+    queue_depth,
     sim_engine,
     tenant,
     write_config,
 )
+from tests.support import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,8 +91,12 @@ async def test_ladder_cap_only_waits_for_the_model(gateway_url) -> None:
         body = {**chat("hi", model="capped"), "max_completion_tokens": 500}
         body.pop("max_tokens")
         pending = asyncio.ensure_future(s.post(url, json=body, headers=auth("std")))
-        await asyncio.sleep(0.5)
-        assert not pending.done()  # queued behind the stream holding the slot
+
+        async def queued() -> bool:
+            return await queue_depth(s, gateway_url, model="capped") == 1
+
+        await wait_for(queued, what="the request to queue behind the stream", poll_s=0.05)
+        assert not pending.done()
         busy.close()
         async with await pending as r:
             assert r.status == 200

@@ -23,6 +23,7 @@ from tests.integration.limits_support import (
     tenant,
     write_config,
 )
+from tests.support import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -137,12 +138,12 @@ async def test_cancelled_stream_returns_concurrency_slot(cluster, redis_server) 
             assert status == 429 and check_rejection(status, headers, body) == "rate_limit_exceeded"
             resp.close()  # client goes away mid-stream
             t0 = time.monotonic()
-            while True:
-                status, _, body = await send(session, second, "one", chat())
-                if status == 200 or time.monotonic() - t0 > 5:
-                    break
-                await asyncio.sleep(0.02)
-            assert status == 200, body
+
+            async def served(second: str = second) -> bool:
+                status, _, _ = await send(session, second, "one", chat())
+                return status == 200
+
+            await wait_for(served, 5, "the slot to come back", poll_s=0.02)
             assert time.monotonic() - t0 < 0.5  # returned at once, not after a lease TTL
 
 
@@ -153,12 +154,12 @@ async def wait_shared(urls: list[str], redis_server) -> None:
     try:
         async with aiohttp.ClientSession() as session:
             for i, url in enumerate(urls):
-                deadline = time.monotonic() + 15
-                while not client.exists(f"sluice:{{probe{i}}}:rpm"):
-                    assert time.monotonic() < deadline, f"gateway {i} never went back to Redis"
+                async def shared(i: int = i, url: str = url) -> bool:
                     status, _, _ = await send(session, url, f"probe{i}", chat())
                     assert status in (200, 429)  # a key lives ~1 s after a request
-                    await asyncio.sleep(0.2)
+                    return bool(client.exists(f"sluice:{{probe{i}}}:rpm"))
+
+                await wait_for(shared, 15, f"gateway {i} to go back to Redis", poll_s=0.2)
     finally:
         client.close()
 
@@ -174,11 +175,12 @@ async def test_redis_outage_fails_open_then_limits_resume(cluster, redis_server)
             await asyncio.sleep(0.05)
 
     traffic = asyncio.create_task(steady())
-    await asyncio.sleep(0.5)
+    await wait_for(lambda: len(statuses) >= 12, what="traffic to flow")
     redis_server.stop()
     try:
         during = len(statuses)
-        await asyncio.sleep(2.0)
+        # two more bursts answered while Redis is down
+        await wait_for(lambda: len(statuses) >= during + 24, 10, "traffic during the outage")
         results = await burst(cluster, "rpm", 30, clients=8)  # fresh tenant while down
         assert all(s in (200, 429) for s, _, _ in results)
         # each replica falls back to its own local limiter: served, never a 500
@@ -186,7 +188,8 @@ async def test_redis_outage_fails_open_then_limits_resume(cluster, redis_server)
         assert len(statuses) > during
     finally:
         redis_server.start()
-    await asyncio.sleep(1.0)
+    after = len(statuses)
+    await wait_for(lambda: len(statuses) >= after + 12, 10, "traffic after Redis came back")
     stop.set()
     await traffic
     assert set(statuses) <= {200, 429}, set(statuses)

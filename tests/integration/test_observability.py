@@ -12,9 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
 from gateway.auth import hash_key
+from gateway.keys import QUEUES
 from tests.conftest import free_port
 from tests.integration.conftest import make_config, run_gateway
 from tests.integration.test_gateway_api import CHAT
+from tests.support import wait_for
 
 TENANTS = {
     "allow_anonymous": False,
@@ -59,7 +61,7 @@ async def test_metrics_traces_and_access_log_for_every_outcome(engines, caplog):
         det = {**CHAT, "temperature": 0}
         r = await gw.post("/v1/chat/completions", det, headers=ACME)
         assert r.status == 200 and r.headers["x-sluice-cache"] == "miss"
-        await asyncio.sleep(0.1)  # the answer is stored off the response path
+        await gw.idle()  # the answer is stored off the response path
         r = await gw.post("/v1/chat/completions", det, headers=ACME)
         assert r.status == 200 and r.headers["x-sluice-cache"] == "hit-exact"
         # 401 and 429 (acme allows 3 requests per minute)
@@ -73,9 +75,10 @@ async def test_metrics_traces_and_access_log_for_every_outcome(engines, caplog):
         # shed: the engine is full (KV over the watermark), one batch request waits; the
         # next one is shed at once (the predicted wait exceeds batchco's 0.5 s)
         fake.kv_usage = 0.99
-        await asyncio.sleep(0.5)  # next metrics scrape
+        engine, queue = gw.pool.engines[0], gw.app[QUEUES][fake.model]
+        await wait_for(lambda: engine.metrics.kv_cache_usage == 0.99, what="the next scrape")
         first = asyncio.create_task(gw.post("/v1/chat/completions", CHAT, headers=BATCH))
-        await asyncio.sleep(0.1)
+        await wait_for(lambda: len(queue) == 1, what="the first batch request to queue")
         r = await gw.post("/v1/chat/completions", CHAT, headers=BATCH)
         assert r.status == 503 and (await r.json())["error"]["code"] == "overloaded"
         r = await first

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 
@@ -10,19 +9,12 @@ from gateway.auth import hash_key
 from gateway.keys import RELOADER
 from tests.integration.conftest import make_config, run_gateway
 from tests.integration.test_gateway_api import CHAT
+from tests.support import wait_for
 
 
 def tenants_yaml(*keys: str) -> str:
     hashes = ", ".join(hash_key(k) for k in keys)
     return f"allow_anonymous: false\ntenants:\n  - name: acme\n    api_key_hashes: [{hashes}]\n"
-
-
-async def _until(pred, timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not pred():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.05)
 
 
 async def test_reload_on_change_and_bad_file_keeps_config(engines, tmp_path):
@@ -36,19 +28,19 @@ async def test_reload_on_change_and_bad_file_keeps_config(engines, tmp_path):
         ok = {"Authorization": "Bearer k1"}
         # the file on disk is loaded when the gateway (re)loads; the first change:
         path.write_text(tenants_yaml("k1", "k2"))
-        await _until(lambda: len(reloader.history) >= 1)
+        await wait_for(lambda: len(reloader.history) >= 1)
         assert reloader.history[-1].result == "ok"
         r = await gw.post("/v1/chat/completions", CHAT, headers={"Authorization": "Bearer k2"})
         assert r.status == 200
         # a bad file: logged, recorded, and the running tenants stay
         path.write_text("tenants:\n  - name: acme\n    weight: -1\n")
-        await _until(lambda: reloader.history[-1].result == "error")
+        await wait_for(lambda: reloader.history[-1].result == "error")
         assert "tenants.0.weight" in reloader.history[-1].error
         assert (await gw.post("/v1/chat/completions", CHAT, headers=ok)).status == 200
         # SIGHUP reloads too
         n = len(reloader.history)
         os.kill(os.getpid(), signal.SIGHUP)
-        await _until(lambda: len(reloader.history) > n)
+        await wait_for(lambda: len(reloader.history) > n)
         assert reloader.history[-1].result == "error"  # still the bad file
 
 
@@ -76,7 +68,7 @@ async def test_each_atomic_replace_with_mv_is_seen(engines, tmp_path):
             tmp = tmp_path / f".tenants.yaml.{key}"
             tmp.write_text(tenants_yaml(key))
             os.replace(tmp, path)
-            await _until(_reloaded(reloader, n))
+            await wait_for(_reloaded(reloader, n))
             assert await _status(gw, key) == 200
             assert await _status(gw, "k1") == 401
 
@@ -108,7 +100,7 @@ async def test_configmap_style_symlink_swaps_are_seen(engines, tmp_path):
         for version, key in ((2, "k2"), (3, "k3"), (4, "k4")):
             n = len(reloader.history)
             publish(version, key)
-            await _until(_reloaded(reloader, n))
+            await wait_for(_reloaded(reloader, n))
             assert await _status(gw, key) == 200
             assert await _status(gw, "k1") == 401
 
@@ -122,15 +114,15 @@ async def test_a_half_written_file_keeps_the_running_tenants(engines, tmp_path):
     async with run_gateway(cfg) as gw:
         reloader = gw.app[RELOADER]
         path.write_text(tenants_yaml("k1", "k2"))
-        await _until(_reloaded(reloader, 0))
+        await wait_for(_reloaded(reloader, 0))
         assert await _status(gw, "k2") == 200
         for half in ("", "# tenants, being rewritten\n"):  # truncated, mid-rewrite
             n = len(reloader.history)
             path.write_text(half)
-            await _until(_reloaded(reloader, n, "error"))
+            await wait_for(_reloaded(reloader, n, "error"))
             assert "tenants: []" in reloader.history[-1].error
             assert await _status(gw, "k2") == 200
         n = len(reloader.history)
         path.write_text("allow_anonymous: false\ntenants: []\n")  # no tenants, explicitly
-        await _until(_reloaded(reloader, n))
+        await wait_for(_reloaded(reloader, n))
         assert await _status(gw, "k2") == 401

@@ -19,6 +19,7 @@ from gateway.auth import hash_key
 from gateway.keys import SUPERVISOR
 from loadtest.workloads.base import synthetic_text
 from tests.integration.conftest import FAST_SUPERVISOR, run_gateway
+from tests.support import wait_for
 
 MODEL = "sim-model"
 #: fast simulated H200 engines; a small KV pool so start-up stays ~1 s
@@ -53,11 +54,8 @@ async def send(gw, body: dict[str, Any], **headers: str) -> str:
 
 
 async def wait_metrics(gw) -> None:
-    for _ in range(100):
-        if all(e.metrics is not None and e.block_size for e in gw.pool.engines):
-            return
-        await asyncio.sleep(0.05)
-    raise TimeoutError("no metrics")
+    await wait_for(lambda: all(e.metrics is not None and e.block_size for e in gw.pool.engines),
+                   what="every engine's metrics")
 
 
 async def scrape(url: str) -> dict[str, float]:
@@ -103,10 +101,8 @@ async def test_far_more_loaded_engine_makes_traffic_spread() -> None:
                                   json=chat(f"other {i}", max_tokens=600)) as r:
                     await r.read()
             background = [asyncio.create_task(direct(i)) for i in range(12)]
-            for _ in range(100):  # until the gateway's metrics show the load
-                if busy.metrics and busy.metrics.num_running >= 12:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_for(lambda: busy.metrics.num_running >= 12,
+                           what="the gateway's metrics to show the load")
             placed = Counter([await send(gw, chat(prefix + f" q{i}")) for i in range(8)])
             for t in background:
                 t.cancel()
@@ -125,11 +121,7 @@ async def test_dead_or_draining_engine_is_never_picked() -> None:
         gw.pool.set_state(b, EngineState.READY)
         runner = next(r for r in gw.app[SUPERVISOR].runners if r.engine is a)
         runner.process.kill()  # dead: the supervisor notices and stops routing to it
-        for _ in range(200):
-            if a.state is not EngineState.READY:
-                break
-            await asyncio.sleep(0.05)
-        assert a.state is not EngineState.READY
+        await wait_for(lambda: a.state is not EngineState.READY, 10, "the supervisor to notice")
         assert {await send(gw, chat(p + " third")) for p in prompts} == {b.id}
         assert set(homes.values()) == {a.id, b.id}
 

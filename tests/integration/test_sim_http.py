@@ -3,7 +3,6 @@ disconnect → abort, /metrics names, cache_salt isolation."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import aiohttp
@@ -13,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engines.blocks import fallback_tokenize
 from loadtest.sim_engine import SimEngine, get_profile, serve
 from loadtest.sim_engine.protocol import render_chat
-from tests.conftest import free_port
+from tests.support import wait_for
 
 MODEL = "sim-test"
 LONG = " ".join(f"word{i % 50} of the shared context" for i in range(120))
@@ -21,9 +20,9 @@ LONG = " ".join(f"word{i % 50} of the shared context" for i in range(120))
 
 @pytest.fixture
 async def sim():
-    port = free_port()
     engine = SimEngine(get_profile("cpu-gemma3-270m"), MODEL, speed=20.0)
-    runner = await serve(engine, "127.0.0.1", port)
+    runner = await serve(engine, "127.0.0.1", 0)
+    port = runner.addresses[0][1]
     async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
         yield session
     await runner.cleanup()
@@ -80,11 +79,18 @@ async def test_completion_stream_without_usage_and_non_stream(sim):
         events = parse_sse(await r.read())
     assert events[-1] == b"[DONE]" and len(events) == 4
     assert all(e["object"] == "text_completion" and "usage" not in e for e in events[:-1])
-    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_completion_tokens": 4}
+    # completions read max_tokens only, as vLLM's do
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 2, "max_completion_tokens": 4}
     async with sim.post("/v1/completions", json=body) as r:
         data = await r.json()
-    assert data["usage"]["prompt_tokens"] == 4 and data["usage"]["completion_tokens"] == 4
+    assert data["usage"]["prompt_tokens"] == 4 and data["usage"]["completion_tokens"] == 2
     assert data["choices"][0]["finish_reason"] == "length"
+    # chat: max_completion_tokens when not null, else max_tokens
+    for caps, expected in (({"max_completion_tokens": None, "max_tokens": 3}, 3),
+                           ({"max_completion_tokens": 2, "max_tokens": 5}, 2)):
+        body = {"messages": [{"role": "user", "content": "x"}], **caps}
+        async with sim.post("/v1/chat/completions", json=body) as r:
+            assert (await r.json())["usage"]["completion_tokens"] == expected
     body = {"messages": [{"role": "user", "content": "x"}]}  # model optional, 16 tokens
     async with sim.post("/v1/chat/completions", json=body) as r:
         data = await r.json()
@@ -148,14 +154,12 @@ async def test_disconnect_aborts_within_2s(sim):
     m = await scrape(sim)
     assert m["vllm:num_requests_running"] == 1 and m["vllm:kv_cache_usage_perc"] > 0
     resp.close()  # drop the connection
-    deadline = asyncio.get_running_loop().time() + 2.0
-    while True:
-        m = await scrape(sim)
-        if m["vllm:num_requests_running"] == 0:
-            break
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.05)
-    assert m["vllm:kv_cache_usage_perc"] == 0.0
+
+    async def aborted() -> bool:
+        return (await scrape(sim))["vllm:num_requests_running"] == 0
+
+    await wait_for(aborted, timeout_s=2.0, what="the engine to abort the request")
+    assert (await scrape(sim))["vllm:kv_cache_usage_perc"] == 0.0
 
 
 async def test_metrics_names_and_prefix_counters(sim):

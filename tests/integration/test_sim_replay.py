@@ -6,15 +6,14 @@ from loadtest.replay import Replayer
 from loadtest.report import EngineStats, Slo, plot, summarize
 from loadtest.sim_engine import SimEngine, get_profile, serve
 from loadtest.workloads import WorkloadOptions, build_workload
-from tests.conftest import free_port
 
 
 async def test_replay_mixed_tenants_smoke(tmp_path):
-    port = free_port()
     engine = SimEngine(get_profile("cpu-gemma3-270m").with_overrides(max_model_len=4096,
                                                                      num_blocks=200),
                        "sim-model", speed=20.0)
-    runner = await serve(engine, "127.0.0.1", port)
+    runner = await serve(engine, "127.0.0.1", 0)
+    port = runner.addresses[0][1]
     url = f"http://127.0.0.1:{port}"
     try:
         wl = build_workload("mixed-tenants", WorkloadOptions(limit=30, rate=20.0,

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.request
 
 from loadtest import validate_sim
 from tests.conftest import free_port
+from tests.support import wait_for_sync
 
 
 def test_validate_sim_against_a_sim(tmp_path, capsys):
@@ -18,14 +18,14 @@ def test_validate_sim_against_a_sim(tmp_path, capsys):
     proc = subprocess.Popen([sys.executable, "-m", "loadtest.sim_engine", "--port", str(port),
                              "--model", "gemma3-270m", "--speed", "10"])
     try:
-        deadline = time.monotonic() + 20
-        while True:
+        def healthy() -> bool:
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
+                return True
             except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+                return False
+
+        wait_for_sync(healthy, 20, "the simulator to listen")
         out = tmp_path / "v.json"
         rc = validate_sim.main(["--real", f"http://127.0.0.1:{port}", "--speed", "10",
                                 "--prompt-lens", "16,372", "--concurrency", "1,4",

@@ -19,6 +19,7 @@ from config.schema import EnginesConfig, EngineSpec
 from engines.metrics import MetricsPoller
 from engines.pool import Engine, EnginePool, EngineState, MetricsSnapshot
 from engines.supervisor import Supervisor, wait_for
+from tests import support
 from tests.conftest import free_port
 
 FAST = {
@@ -188,8 +189,9 @@ async def test_busy_engine_making_progress_stays_ready(
     busy = asyncio.create_task(session.post(f"{engine.base_url}/v1/completions", json=body))
     await until(pool, lambda: engine.metrics is not None and engine.metrics.num_running == 1)
     flag.touch()
-    await asyncio.sleep(1.2)  # ≥ 2 × threshold failed probes
-    assert rec.names == ["ready"]
+    await support.wait_for(lambda: len(flag.read_text().splitlines()) >= 4, 5,
+                           "2 × threshold failed /health probes")
+    assert rec.names == ["ready"]  # the metrics kept moving: no probe counted as failed
     (await busy).release()
     await until(pool, lambda: engine.state is EngineState.UNHEALTHY, 3)
     flag.unlink()
@@ -215,12 +217,15 @@ async def test_stop_drains_in_flight_requests_first(make: Any) -> None:
     assert await sup.wait_ready(15)
     pid = sup.runners[0].process.pid
 
+    leased = asyncio.Event()
+
     async def request(hold_s: float) -> None:
         with pool.lease(engine):
-            await asyncio.sleep(hold_s)
+            leased.set()
+            await asyncio.sleep(hold_s)  # the request's own duration
 
     held = asyncio.create_task(request(0.8))
-    await asyncio.sleep(0)
+    await leased.wait()
     t0 = time.monotonic()
     stopping = asyncio.create_task(sup.stop(grace_s=5))
     await until(pool, lambda: engine.state is EngineState.DRAINING, 1)

@@ -40,19 +40,10 @@ from limits.memory_store import MemoryStore
 from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter
 from limits.saturation import SaturationDetector, kv_blocks
+from tests.support import ManualClock as Clock
+from tests.support import wait_for
 
 MSG = [{"role": "user", "content": "hello there"}]
-
-
-class Clock:
-    """Hand-driven; ``step`` is added on every read (a clock that moves by itself)."""
-
-    def __init__(self, step: float = 0.0) -> None:
-        self.t, self.step = 1000.0, step
-
-    def now(self) -> float:
-        self.t += self.step
-        return self.t
 
 
 class FakeClient:
@@ -268,8 +259,7 @@ async def test_shed_when_saturated_past_the_ladder() -> None:
     await h.client.entered.wait()
     waiting = asyncio.ensure_future(h.run(chat(max_tokens=5), TenantQuota(name="b",
                                                                         priority="batch")))
-    while not len(h.queues["m"]):
-        await asyncio.sleep(0)
+    await wait_for(lambda: len(h.queues["m"]) == 1, what="the batch request to queue")
     rec, e = await h.run(chat(max_tokens=5), TenantQuota(name="s", max_queue_wait_s=0.001))
     assert isinstance(e, Rejected) and e.outcome is Outcome.OVERLOADED and e.reason == "shed"
     gate.set()

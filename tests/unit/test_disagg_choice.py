@@ -8,6 +8,7 @@ import pytest
 from config.schema import DisaggregationConfig, EngineSpec
 from engines.pool import Engine
 from gateway.disagg import PREFILL_PARAMS, Disaggregator, PrefillSpeed, decode_body, prefill_body
+from tests.support import ManualClock
 
 
 def eng(id_: str, role: str, in_flight: int = 0) -> Engine:
@@ -125,12 +126,12 @@ def test_a_busy_decode_engine_takes_local_prefills_only_within_its_backlog_budge
 
 
 def test_track_observes_the_first_token_time_on_the_injected_clock():
-    now = [100.0]
-    speed = PrefillSpeed(prior_s_per_token=1e-3, clock=lambda: now[0])
+    clock = ManualClock(100.0)
+    speed = PrefillSpeed(prior_s_per_token=1e-3, clock=clock)
     e = eng("d", "decode")
     with speed.track(e, 1000) as first_token:
         assert speed.outstanding["d"] == 1000
-        now[0] += 0.5
+        clock.advance(0.5)
         first_token()  # 0.5 s for 1000 tokens
         assert speed.outstanding["d"] == 0
         first_token()  # once only

@@ -6,14 +6,7 @@ import pytest
 
 from engines.breaker import BreakerState, CircuitBreaker
 from engines.pool import Engine, EngineState
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support import ManualClock as Clock
 
 
 def test_opens_after_threshold_consecutive_failures_only():

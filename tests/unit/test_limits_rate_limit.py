@@ -7,18 +7,10 @@ import asyncio
 import pytest
 
 from config.schema import TenantQuota
-from limits.clock import MonotonicClock
 from limits.memory_store import MemoryStore
 from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter, Sizing, reservation_size
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def now(self) -> float:
-        return self.t
+from tests.support import ManualClock, wait_for
 
 
 @pytest.fixture
@@ -231,10 +223,23 @@ async def test_concurrent_reservations_never_overshoot_tokens(limiter: RateLimit
     assert sum(r.tokens for r in admitted) == 990  # 11 × 90 ≤ 1000 < 12 × 90
 
 
-async def test_held_lease_is_renewed_past_its_ttl() -> None:
-    limiter = RateLimiter(MemoryStore(MonotonicClock()), lease_ttl_s=0.2)
+class CountingStore(MemoryStore):
+    """The in-process store, counting lease acquisitions (first takes and renewals)."""
+
+    acquired = 0
+
+    async def acquire(self, key: str, lease_id: str, limit: int, ttl_s: float) -> bool:
+        self.acquired += 1
+        return await super().acquire(key, lease_id, limit, ttl_s)
+
+
+async def test_held_lease_is_renewed_past_its_ttl(clock: ManualClock) -> None:
+    store = CountingStore(clock)
+    limiter = RateLimiter(store, lease_ttl_s=0.2)  # renewed every 0.1 s of loop time
     t = tenant(max_concurrent=1)
     async with await limiter.reserve(t, 0, request_id="long-stream"):
-        await asyncio.sleep(0.5)  # 2.5 × the TTL
+        clock.advance(0.15)
+        await wait_for(lambda: store.acquired >= 2, what="a lease renewal")
+        clock.advance(0.15)  # past the first TTL (0.2 s), inside the renewed one
         await rejection(limiter.reserve(t, 0, request_id="other"))
     await limiter.reserve(t, 0, request_id="other")
