@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any, Protocol
@@ -369,7 +369,8 @@ class KVEventSubscriber:
 
 
 class KVEventSubscribers:
-    """One :class:`KVEventSubscriber` task per engine that publishes events.
+    """One :class:`KVEventSubscriber` task per engine that publishes events; also a
+    Prometheus collector of their state (:meth:`collect`).
 
     Args:
         sink: what every subscriber feeds.
@@ -400,3 +401,29 @@ class KVEventSubscribers:
                 await task
         self._tasks.clear()
         self.subscribers.clear()
+
+    def collect(self) -> Iterator[Any]:
+        """Prometheus families (``prometheus_client`` custom collector), per followed
+        engine: ``sluice_engine_kv_events_synced`` (1 while its events are trusted,
+        0 while the approximate index stands in) and the subscriber's counters
+        ``sluice_engine_kv_events_batches``, ``…_replayed``, ``…_losses`` and
+        ``…_restarts`` (``_total`` added on exposition)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["engine", "model"]
+        synced = GaugeMetricFamily("sluice_engine_kv_events_synced",
+                                   "1 while the engine's KV events are in sync, else 0.",
+                                   labels=labels)
+        counters = {name: CounterMetricFamily(f"sluice_engine_kv_events_{name}", text,
+                                              labels=labels)
+                    for name, text in (("batches", "KV-event batches applied."),
+                                       ("replayed", "Batches recovered from the replay socket."),
+                                       ("losses", "Losses the replay socket could not fill."),
+                                       ("restarts", "Publisher restarts seen."))}
+        for sub in self.subscribers.values():
+            values = [sub.engine.id, sub.engine.model]
+            synced.add_metric(values, 1.0 if sub.synced else 0.0)
+            for name, family in counters.items():
+                family.add_metric(values, getattr(sub, name))
+        yield synced
+        yield from counters.values()

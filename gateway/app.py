@@ -234,14 +234,17 @@ async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
 async def kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
     """With ``scheduler.prefix.source: events``, one KV-event subscriber per engine
     that publishes, feeding this process's prefix index (every gateway process
-    follows the engines itself)."""
+    follows the engines itself); their state on ``/metrics``."""
     index = app[SCHEDULER].index
-    subscribers = KVEventSubscribers(index) if isinstance(index, EventPrefixIndex) else None
-    if subscribers is not None:
-        subscribers.follow(app[POOL].engines)
+    if not isinstance(index, EventPrefixIndex):
+        yield
+        return
+    subscribers = KVEventSubscribers(index)
+    subscribers.follow(app[POOL].engines)
+    app[METRICS].registry.register(subscribers)
     yield
-    if subscribers is not None:
-        await subscribers.stop()
+    app[METRICS].registry.unregister(subscribers)
+    await subscribers.stop()
 
 
 async def background_ctx(app: web.Application) -> AsyncIterator[None]:

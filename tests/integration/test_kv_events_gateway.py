@@ -70,6 +70,12 @@ async def test_repeated_prompt_is_scored_from_engine_events() -> None:
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         assert second == first and cached > 2000
         assert predicted["events"] == cached
+        async with gw.session.get(gw.url + "/metrics") as r:
+            exposition = await r.text()
+        assert f'sluice_engine_kv_events_synced{{engine="{first}",model="{MODEL}"}} 1.0' \
+            in exposition
+        assert f'sluice_engine_kv_events_batches_total{{engine="{first}",model="{MODEL}"}}' \
+            in exposition
         # the engine restarts (a new process, an empty cache): entries cleared, rebuilt
         runner = next(r for r in sup.runners if r.engine is engine)
         generation = engine.generation
