@@ -42,6 +42,11 @@ def _external_base_url(url: str) -> str:
     return base.removesuffix("/v1")
 
 
+#: Batches an engine keeps for replay (vLLM's ``buffer_steps``, default 10,000). A
+#: batch carries the token ids of every block stored in one step (~60 KB for a
+#: 12k-token prompt), so vLLM's default could hold ~600 MB; 1,000 steps still cover
+#: any gap a subscriber on the same host recovers from.
+REPLAY_BUFFER_STEPS = 1000
 #: Launched kinds that publish vLLM's KV-cache events with ``--kv-events-config``.
 KV_EVENT_KINDS = frozenset({"vllm", "sim"})
 
@@ -60,7 +65,7 @@ def kv_events_flag(engine_id: str, host: str, taken: set[int]) -> tuple[EventsEn
     topic = f"kv@{engine_id}"
     flag = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                        "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://{at}:{replay}",
-                       "topic": topic})
+                       "buffer_steps": REPLAY_BUFFER_STEPS, "topic": topic})
     endpoint = EventsEndpoint(f"tcp://{at}:{pub}", f"tcp://{at}:{replay}", topic)
     return endpoint, ["--kv-events-config", flag]
 
