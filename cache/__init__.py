@@ -1,4 +1,4 @@
-"""Exact and semantic response cache (DESIGN.md, "Cache").
+"""Exact and semantic response cache (docs/architecture.md, "One request", step 5).
 
 The gateway uses :mod:`cache.service` (``open_cache``, ``ResponseCache``,
 ``CacheRequest``, ``CacheHit``) and :mod:`cache.replay` (render a hit as JSON or SSE).

@@ -16,7 +16,7 @@ from functools import lru_cache
 from hashlib import blake2b
 
 #: Token id range of the fallback tokenizer: 262,144 = Gemma 3's vocabulary size
-#: (``vocab_size`` in the model's config.json; see ENGINES.md).
+#: (``vocab_size`` in the model's config.json; see docs/engines.md).
 FALLBACK_VOCAB_SIZE = 262_144
 
 #: Maximum letters in one word piece (a leading space joins the piece, as in

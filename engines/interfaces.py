@@ -1,4 +1,4 @@
-"""Protocols of the scheduler's plugins (DESIGN.md, "Request flow" step 6).
+"""Protocols of the scheduler's plugins (docs/architecture.md, "One request", step 10).
 
 Plugins are pure: synchronous, no I/O, no waiting. Everything they need is in the
 request and the :class:`~engines.pool.Engine` views (state, in-flight count, latest

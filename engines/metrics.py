@@ -2,7 +2,7 @@
 
 :func:`parse_metrics` is pure; :class:`MetricsPoller` is the per-engine I/O loop that
 scrapes on an interval and stores each snapshot with :meth:`EnginePool.set_metrics`.
-Metric names are vLLM's (see ``DESIGN.md``, "Engines").
+Metric names are vLLM's (see ``docs/engines.md``, "Metrics").
 """
 
 from __future__ import annotations

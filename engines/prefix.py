@@ -1,5 +1,5 @@
 """The prefix index: which prompt blocks each engine was sent recently, hence
-probably holds in its KV cache (DESIGN.md, "Engines": prefix affinity).
+probably holds in its KV cache (docs/architecture.md, "One request", step 10).
 
 The router cannot see an engine's cache, so it keeps its own approximation, as
 SGLang's router keeps an approximate radix tree per worker (``sgl-router``

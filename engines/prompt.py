@@ -1,5 +1,5 @@
 """The prompt as the engine will see it, cut into chained token-block hashes
-(DESIGN.md, "Engines": prefix affinity).
+(docs/architecture.md, "One request", step 3).
 
 Two encoders satisfy :class:`engines.interfaces.PromptEncoder`:
 

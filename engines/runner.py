@@ -1,4 +1,4 @@
-"""The life cycle of one engine: launch, probe, mark, restart (DESIGN.md, "Engines").
+"""The life cycle of one engine: launch, probe, mark, restart (docs/architecture.md, "Engines").
 
 :class:`EngineRunner.run` is one asyncio task per engine. States go through
 :meth:`EnginePool.set_state` so listeners see every change:

