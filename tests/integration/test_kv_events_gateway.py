@@ -21,7 +21,7 @@ SIM_ARGS = ["--profile", "h200-llama3-8b", "--num-blocks", "2048", "--max-model-
             "--enable-prompt-tokens-details"]
 
 
-def events_config(source: str = "events") -> Config:
+def events_config(source: str = "events", cache_salt: bool = True) -> Config:
     return Config(
         gateway=GatewayConfig.model_validate({"port": 0, "cache": {"enabled": False}}),
         engines=EnginesConfig.model_validate({
@@ -29,7 +29,7 @@ def events_config(source: str = "events") -> Config:
                          "args": SIM_ARGS}],
             "supervisor": {**FAST_SUPERVISOR, "startup_grace_s": 60},
             "scheduler": {"scorers": [{"type": "prefix-affinity"}],
-                          "prefix": {"source": source}}}),
+                          "prefix": {"source": source, "cache_salt": cache_salt}}}),
         tenants=TenantsConfig.model_validate({"allow_anonymous": True}),
     )
 
@@ -94,3 +94,24 @@ async def test_approximate_source_sends_no_flag() -> None:
             assert runner.engine.kv_events is None
         _, predicted, _ = await ask(gw, synthetic_text("approx", 100))
         assert set(predicted) == {"approximate"}
+
+
+async def test_requests_that_reached_an_engine_another_way_are_seen() -> None:
+    """The routing history cannot know what an engine computed for someone else; its
+    events do. Each engine gets a different prompt directly (not through the
+    gateway); the gateway then sends each prompt to the engine that holds it."""
+    async with run_gateway(events_config(cache_salt=False)) as gw:
+        index = gw.app[SCHEDULER].index
+        await until(lambda: all(index.synced(e) for e in gw.pool.engines))
+        texts = {e.id: synthetic_text(f"direct-{e.id}", 2000) for e in gw.pool.engines}
+        for engine in gw.pool.engines:
+            body = {"model": MODEL, "max_tokens": 2,
+                    "messages": [{"role": "user", "content": texts[engine.id]}]}
+            async with gw.session.post(engine.base_url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+            await until(lambda e=engine: index.entries(e.id) > 0)
+        for engine in gw.pool.engines:
+            chosen, predicted, usage = await ask(gw, texts[engine.id])
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            assert chosen == engine.id and cached > 1500
+            assert predicted == {"events": cached, "approximate": 0}
