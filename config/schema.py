@@ -120,6 +120,33 @@ class ObservabilityConfig(_Strict):
     trace_prompts: bool = False
 
 
+class SloTarget(_Strict):
+    """Latency targets of one priority band: ``ttft_s`` from arrival at the gateway
+    to the first token (queue wait included), ``tpot_s`` mean time per output token
+    after the first."""
+
+    ttft_s: float = Field(..., gt=0, description="time to first token, s")
+    tpot_s: float = Field(..., gt=0, description="time per output token, s")
+
+
+class SloConfig(_Strict):
+    """Per-band SLOs the adaptive admission keeps each engine within
+    (``limits.engine_latency``). Defaults: interactive 1 s / 100 ms (a chat turn
+    starts within a second and streams faster than reading speed, ~5 words/s);
+    standard 2 s / 100 ms (API calls and agents, less sensitive to the start);
+    batch 10 s / 100 ms. TPOT is the same for every band on purpose: a request of a
+    looser TPOT band admitted past the tighter knee would hold the engine above it for
+    a whole generation, and the next interactive request could not be placed there."""
+
+    interactive: SloTarget = SloTarget(ttft_s=1.0, tpot_s=0.1)
+    standard: SloTarget = SloTarget(ttft_s=2.0, tpot_s=0.1)
+    batch: SloTarget = SloTarget(ttft_s=10.0, tpot_s=0.1)
+
+    def target(self, priority: Priority) -> SloTarget:
+        """The targets of ``priority``'s band."""
+        return getattr(self, priority)
+
+
 class GatewayConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -138,6 +165,7 @@ class GatewayConfig(_Strict):
         "for a tenant with tokens_per_min it also becomes the request's cap (lowered to "
         "what the quota can hold), so generation never exceeds what was reserved")
     drain_grace_s: float = Field(30.0, ge=0)
+    slo: SloConfig = SloConfig()
 
     @field_validator("admin_key_hashes")
     @classmethod
@@ -270,6 +298,24 @@ class EngineSpec(_Strict):
         f"otherwise")
     role: EngineRole = "both"
     kv_connector: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    scheduling_policy: Literal["fcfs", "priority"] | None = Field(
+        None, description="vLLM's --scheduling-policy; None: read from args (fcfs if absent)")
+    cost_per_hour: float | None = Field(None, ge=0, description="price of one replica per hour")
+
+    @property
+    def priority_scheduling(self) -> bool:
+        """Whether the engine runs vLLM's priority scheduler, so the gateway may send
+        the band as ``priority`` (vLLM rejects a non-zero priority otherwise):
+        ``scheduling_policy``, or ``--scheduling-policy priority`` in ``args``."""
+        if self.scheduling_policy is not None:
+            return self.scheduling_policy == "priority"
+        args = list(self.args)
+        for i, a in enumerate(args):
+            if a == "--scheduling-policy" and i + 1 < len(args):
+                return args[i + 1] == "priority"
+            if a.startswith("--scheduling-policy="):
+                return a.split("=", 1)[1] == "priority"
+        return False
 
     @property
     def accepts_cache_salt(self) -> bool:
@@ -428,6 +474,28 @@ class SupervisorConfig(_Strict):
     stop_grace_s: float = Field(10.0, ge=0)
 
 
+class AdaptiveConfig(_Strict):
+    """The learned per-engine admission (``limits.engine_latency``): each engine's
+    TTFT and TPOT are fitted online and an engine takes a request only while the
+    predictions meet the request's band SLO (``gateway.yaml`` ``slo``).
+
+    ``confidence_z``: standard deviations added to each prediction (2: a request is
+    placed when it is predicted to meet its SLO with ~98 % confidence — the SLO is
+    per request, and the spread of per-request TPOT around the mean at a given batch
+    is what the knee must absorb; 1 measured ~84 % TPOT attainment at 3× on the
+    simulator). ``forgetting``: the fit's
+    forgetting factor per request (0.97: the last ~33 requests weigh most).
+    ``min_samples``: finished requests per engine before the model replaces the
+    gradient limiter. ``max_rel_error``: the model also yields to it while its
+    recent TPOT predictions are off by more than this fraction (drift)."""
+
+    enabled: bool = True
+    confidence_z: float = Field(2.0, ge=0)
+    forgetting: float = Field(0.97, gt=0, le=1)
+    min_samples: int = Field(20, ge=1)
+    max_rel_error: float = Field(0.35, gt=0)
+
+
 class SaturationConfig(_Strict):
     """When an engine is saturated for admission (``limits.saturation``): KV-cache
     usage at or above ``kv_watermark`` (``batch_kv_watermark`` for batch, keeping
@@ -443,6 +511,7 @@ class SaturationConfig(_Strict):
         "(None: no cap); the batch size that still meets the TPOT SLO")
     interactive_reserve: int = Field(
         0, ge=0, description="slots of max_in_flight only interactive requests may take")
+    adaptive: AdaptiveConfig = AdaptiveConfig()
 
     @model_validator(mode="after")
     def _order(self) -> SaturationConfig:

@@ -201,6 +201,39 @@ class LeastInFlight:
         return [1.0 - max(e.in_flight, 0) / busiest for e in engines]
 
 
+class PredictedTtft:
+    """Prefers the engine predicted to start the request soonest.
+
+    TTFT̂ (s) comes from each engine's fitted latency model
+    (:mod:`limits.latency_model`): its uncached prefill tokens already queued plus
+    this request's uncached ones — the prompt less the leading blocks the prefix
+    index says the engine holds — at the sequences decoding there. Score =
+    ``min TTFT̂ / TTFT̂`` over the candidates (proportional, so the fastest engine
+    scores 1 and one predicted twice as slow 0.5); every engine scores 1 when none has
+    a model. One scorer for what prefix-affinity, queue-depth and speed each say in
+    part, in the unit of the SLO: the "estimated TTFT" routing of Llumnix (Sun et al.,
+    OSDI 2024) and Preble (Srivatsa et al., ICLR 2025), which weigh cached tokens
+    against queued prefill. No parameters.
+    """
+
+    Params = NoParams
+
+    def score(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[float]:
+        n = len(req.blocks)
+        preds: list[float | None] = []
+        for e in engines:
+            if e.latency is None:
+                preds.append(None)
+                continue
+            hit = min(req.prefix_matches.get(e.id, 0), n) * req.block_size
+            preds.append(e.latency.predict_ttft(max(0, req.prompt_tokens - hit)).mean)
+        known = [p for p in preds if p is not None and p > 0]
+        if not known:
+            return [1.0] * len(engines)
+        best = min(known)
+        return [best / p if p is not None and p > 0 else 0.0 for p in preds]
+
+
 class MaxScore:
     """Picks the engine with the highest total score; ties (totals within
     ``tolerance``, default 1e-9) are broken uniformly at random with ``rng``."""
@@ -244,6 +277,7 @@ SCORERS: Mapping[str, type[Scorer]] = MappingProxyType({
     "kv-cache-usage": KvCacheUsage,
     "queue-depth": QueueDepth,
     "session-affinity": SessionAffinity,
+    "predicted-ttft": PredictedTtft,
 })
 PICKERS: Mapping[str, type[Picker]] = MappingProxyType({
     "max-score": MaxScore,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from engines.breaker import CircuitBreaker
 from engines.kv_events import EventsEndpoint
+from limits.engine_latency import EngineLatency
 
 
 class EngineState(enum.Enum):
@@ -73,6 +74,11 @@ class Engine:
         restarts: restarts so far.
         breaker: the engine's :class:`~engines.breaker.CircuitBreaker` (requests that
             timed out before their first token or could not connect open it).
+        priority_scheduling: runs vLLM's ``--scheduling-policy priority`` (the
+            gateway forwards the band as ``priority``).
+        cost_per_hour: the spec's price per replica-hour, or None.
+        latency: its learned latency model and request ledger (the adaptive
+            admission), or None while adaptive admission is off.
         kv_events: where the engine publishes KV-cache events, if it does.
     """
 
@@ -87,6 +93,9 @@ class Engine:
     restarts: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     labels: dict[str, str] = field(default_factory=dict)
+    priority_scheduling: bool = False
+    cost_per_hour: float | None = None
+    latency: EngineLatency | None = None
     kv_events: EventsEndpoint | None = None
 
     @property

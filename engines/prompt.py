@@ -292,7 +292,8 @@ class PromptBlocks:
             if spec.model not in self._encoders:
                 enc = self._encoders[spec.model] = encoder_for(
                     spec, cache_dir, cfg.scheduler.prefix.turn_cache_tokens)
-                if spec.kind == "sim" or isinstance(enc, HFEncoder):
+                # the simulator's tokenizer, the model's own, or one the spec names
+                if spec.kind == "sim" or isinstance(enc, HFEncoder) or spec.tokenizer:
                     self._exact.add(spec.model)
         self._encoders.update(encoders or {})
         self._exact.update(encoders or {})

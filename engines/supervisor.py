@@ -166,7 +166,9 @@ class Supervisor:
                                          clock=self.clock)
                 engine = Engine(id=engine_id, model=spec.model, base_url=base_url,
                                 breaker=breaker, labels={"spec": spec.name, "kind": spec.kind,
-                                                        "role": spec.role})
+                                                        "role": spec.role},
+                                priority_scheduling=spec.priority_scheduling,
+                                cost_per_hour=spec.cost_per_hour)
                 extra: list[str] = []
                 if events and spec.kind in KV_EVENT_KINDS:
                     engine.kv_events, extra = kv_events_flag(engine_id, spec.host, taken)

@@ -4,7 +4,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 (models with at least one ready engine that the tenant may use), ``GET /health``
 (liveness: the process answers), ``GET /ready`` (every configured model has a ready
 engine; 503 otherwise), ``GET /metrics`` (Prometheus; or on ``metrics_listen``),
-``GET /admin/stats`` (the dashboard's feed; admin key).
+``GET /admin/stats`` (the dashboard's feed; admin key), ``GET /admin/capacity`` (the
+capacity report from the learned latency models; admin key).
 
 :func:`create_app` builds everything that needs no event loop — the scheduler (so a
 bad plugin fails before any engine starts), admission queues, counter store, metrics
@@ -26,14 +27,14 @@ from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from cache.service import open_cache
-from config.schema import Config
+from config.schema import PRIORITIES, Config
 from engines.kv_events import KVEventSubscribers
 from engines.pool import EnginePool
 from engines.prefix_events import EventPrefixIndex
 from engines.scheduler import Scheduler
 from engines.supervisor import Supervisor
 from gateway.access_log import log_access
-from gateway.admin import metrics_app, metrics_handler, stats_handler
+from gateway.admin import metrics_app, metrics_handler, require_admin, stats_handler
 from gateway.auth import TenantDirectory
 from gateway.dashboard import dashboard
 from gateway.director import Director
@@ -67,6 +68,7 @@ from gateway.tracing import make_tracer
 from limits.admission import AdmissionQueue
 from limits.clock import MONOTONIC
 from limits.interfaces import Clock
+from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter
 from limits.saturation import SaturationDetector
 from limits.stores import open_store
@@ -80,6 +82,30 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     return await request.app[DIRECTOR].handle(request, "completions")
+
+
+async def admin_capacity(request: web.Request) -> web.Response:
+    """``GET /admin/capacity[?model=M][&rate=R]``: per engine, the learned knee per
+    SLO band, the ``--max-num-seqs`` it implies and the throughput on the observed
+    mix; with ``rate`` (requests/s), the engines of each kind that rate needs and
+    their price (:mod:`limits.capacity`). Admin key as ``/admin/stats``."""
+    require_admin(request)
+    director = request.app[DIRECTOR]
+    raw_rate = request.query.get("rate")
+    try:
+        rate = float(raw_rate) if raw_rate is not None else None
+    except ValueError:
+        rate = -1.0
+    if rate is not None and not (rate > 0 and rate < float("inf")):
+        raise Rejected(Outcome.INVALID_REQUEST, "rate must be a positive number of "
+                       "requests per second.", param="rate")
+    models = list(director.queues)
+    wanted = request.query.get("model")
+    if wanted is not None and wanted not in models:
+        raise Rejected(Outcome.MODEL_NOT_FOUND, f"The model '{wanted}' is not served.",
+                       param="model")
+    return web.json_response({"models": [director.capacity(m, rate)
+                                         for m in ([wanted] if wanted else models)]})
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -146,9 +172,11 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     metrics = GatewayMetrics(models=cfg.engines.model_names(),
                              semantic=cache_cfg.enabled and cache_cfg.semantic.enabled)
     app[METRICS] = metrics
-    metrics.registry.register(FleetCollector(pool=app[POOL], queues=app[QUEUES],
-                                             metrics=metrics, store=app[STORE],
-                                             limiter=app[LIMITER]))
+    tightest_tpot_s = min(cfg.gateway.slo.target(p).tpot_s for p in PRIORITIES)
+    metrics.registry.register(FleetCollector(
+        pool=app[POOL], queues=app[QUEUES], metrics=metrics, store=app[STORE],
+        limiter=app[LIMITER], tpot_target_s=tightest_tpot_s,
+        desired_engines=lambda m: app[DIRECTOR].desired_engines(m) if DIRECTOR in app else None))
     app[OBSERVERS] = ([metrics.observe] if obs.metrics else []) + (
         [log_access] if obs.access_log else [])
     app[SPANS], app[TRACER_PROVIDER] = make_tracer(obs, span_exporter)
@@ -156,7 +184,8 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app[RELOADER] = TenantReloader(path=Path(tenants_path), tenants=app[TENANTS],
                                    on_result=metrics.on_reload) if tenants_path else None
     app[STATS] = StatsFeed(metrics=metrics, pool=app[POOL], queues=app[QUEUES],
-                           reloads=app[RELOADER].history if app[RELOADER] else ())
+                           reloads=app[RELOADER].history if app[RELOADER] else (),
+                           tpot_target_s=tightest_tpot_s)
 
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(pipeline_ctx)
@@ -168,6 +197,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     else:
         app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/admin/stats", stats_handler)
+    app.router.add_get("/admin/capacity", admin_capacity)
     app.router.add_get("/dashboard", dashboard)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

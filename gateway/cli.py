@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import logging
 import signal
 import sys
@@ -126,6 +127,41 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
     return prepare_main(["--cache-dir", args.cache_dir] if args.cache_dir else [])
 
 
+def cmd_capacity(args: argparse.Namespace) -> int:
+    """Print ``GET /admin/capacity`` of a running gateway as a table (``--json``: as
+    is)."""
+    import httpx
+
+    params = {k: v for k, v in (("rate", args.rate), ("model", args.model)) if v is not None}
+    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
+    try:
+        r = httpx.get(args.url.rstrip("/") + "/admin/capacity", params=params,
+                      headers=headers, timeout=10)
+    except httpx.HTTPError as e:
+        print(f"{args.url}: {e}", file=sys.stderr)
+        return 1
+    if r.status_code != 200:
+        print(f"{args.url}: HTTP {r.status_code}: {r.text}", file=sys.stderr)
+        return 1
+    data = r.json()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    for m in data["models"]:
+        print(f"model {m['model']}  mix {m['mix']}")
+        for e in m["engines"]:
+            knees = ", ".join(f"{b} {v['knee']} (max-num-seqs {v['max_num_seqs']}, "
+                              f"{v['requests_per_s']:.2f} req/s)" for b, v in e["bands"].items())
+            print(f"  {e['engine']:16} [{e['mode']}] {knees}")
+        fleet = m.get("fleet")
+        if fleet:
+            for kind, f in fleet["by_kind"].items():
+                price = "" if f["cost_per_hour"] is None else f", {f['cost_per_hour']}/h"
+                print(f"  {m['target_rate']} req/s within the {fleet['band']} SLO: "
+                      f"{f['engines']} x {kind}{price}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__.splitlines()[0])
@@ -144,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     prep = sub.add_parser("prepare-model", help="prepare the packaged Gemma 3 270M for vLLM")
     prep.add_argument("--cache-dir")
     prep.set_defaults(func=cmd_prepare_model)
+    cap = sub.add_parser("capacity", help="capacity report of a running gateway")
+    cap.add_argument("--url", required=True, help="the gateway, e.g. http://127.0.0.1:8000")
+    cap.add_argument("--rate", type=float, help="target requests/s to size the fleet for")
+    cap.add_argument("--model")
+    cap.add_argument("--key", help="admin key")
+    cap.add_argument("--json", action="store_true", help="print the JSON report")
+    cap.set_defaults(func=cmd_capacity)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -11,7 +11,9 @@ leases live in :mod:`gateway.placement`; this module orchestrates.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
+from collections.abc import Callable
 
 from aiohttp import web
 from opentelemetry.trace import SpanKind
@@ -19,7 +21,7 @@ from opentelemetry.trace import SpanKind
 from cache.policy import request_cacheable
 from cache.replay import as_json, as_sse
 from cache.service import CacheHit, CacheRequest, ResponseCache
-from config.schema import Config, DegradationConfig, TenantQuota
+from config.schema import PRIORITIES, Config, DegradationConfig, TenantQuota
 from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, PromptInput, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
@@ -30,6 +32,7 @@ from gateway.placement import Need, Placement, Placer
 from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
 from gateway.record import RequestRecord
 from gateway.tracing import Spans, inject_traceparent
+from limits import capacity
 from limits.admission import AdmissionQueue
 from limits.degrade import DEGRADED_HEADER, ladder, shed
 from limits.interfaces import Clock
@@ -67,6 +70,11 @@ def _request_timeout(request: web.Request) -> float | None:
     return value
 
 
+def _call_all(callbacks: list[Callable[[], None]]) -> None:
+    for callback in callbacks:
+        callback()
+
+
 def _cache_control(request: web.Request) -> tuple[bool, bool]:
     """(no_cache, no_store) from ``Cache-Control``."""
     tokens = {t.strip().lower() for t in request.headers.get("Cache-Control", "").split(",")}
@@ -102,11 +110,17 @@ class Director:
         self.queues = queues
         self.cache = cache
         self.clock = clock
+        self.slo = cfg.gateway.slo
+        self.adaptive = cfg.engines.saturation.adaptive
         #: prefill–decode disaggregation, for models with prefill engines
         self.split_models = frozenset(s.model for s in cfg.engines.engines if s.role == "prefill")
         disagg = Disaggregator(cfg.engines.disaggregation, clock)
         self.placer = Placer(pool=pool, scheduler=scheduler, detector=detector, clock=clock,
-                             disagg=disagg, split_models=self.split_models)
+                             disagg=disagg, split_models=self.split_models,
+                             slo=self.slo, adaptive=self.adaptive,
+                             retry_after=lambda m: self.queues[m].retry_after_s())
+        #: per model, the mix of finished requests (the capacity report)
+        self.mix = {m: capacity.MixTracker() for m in queues}
         #: each served model's degradation ladder (model_settings builds a pydantic
         #: object per call, too costly per request)
         self._degradation: dict[str, DegradationConfig] = {
@@ -176,12 +190,13 @@ class Director:
     # ------------------------------------------------------------------ placement
 
     def _need(self, request: web.Request, req: InferenceRequest,
-              tenant: TenantQuota) -> Need:
+              tenant: TenantQuota, arrived: float) -> Need:
         sched = SchedRequest(model=req.model, tenant=tenant.name,
                              prompt_tokens=req.prompt_tokens, priority=tenant.priority,
                              blocks=req.blocks, block_size=self.prompts.block_size(req.model),
                              session_id=request.headers.get("x-session-id") or None)
-        return Need(sched, tenant.priority, self._kv_tokens(req), splittable=req.sequences == 1)
+        return Need(sched, tenant.priority, self._kv_tokens(req), arrived=arrived,
+                    splittable=req.sequences == 1)
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
         return Rejected(Outcome.NO_ENGINE,
@@ -222,6 +237,36 @@ class Director:
         if len(queue) and queue.predicted_wait_s(tenant.priority) > max_wait_s:
             raise shed(req.model, tenant.priority, queue.retry_after_s())
 
+    # ------------------------------------------------------------------ capacity
+
+    def _views(self, model: str) -> list[capacity.EngineView]:
+        return [capacity.EngineView(e.id, e.labels.get("spec", e.id), e.latency.model,
+                                    e.latency.mode, e.block_size, e.num_blocks, e.cost_per_hour)
+                for e in self.pool.for_model(model) if e.latency is not None]
+
+    def capacity(self, model: str, target_rate: float | None) -> dict[str, object]:
+        """``GET /admin/capacity`` for one model (:func:`limits.capacity.report`);
+        before any request finished, the mix is None and no engine is listed."""
+        mix = self.mix[model].mix()
+        if mix is None:
+            return {"model": model, "mix": None, "engines": [], "target_rate": target_rate}
+        slo = {p: (self.slo.target(p).ttft_s, self.slo.target(p).tpot_s) for p in PRIORITIES}
+        rep = capacity.report(self._views(model), mix, slo, self.adaptive.confidence_z,
+                              target_rate)
+        return {"model": model, **rep}
+
+    def desired_engines(self, model: str) -> float | None:
+        """Engines the model's current arrival rate needs (the HPA metric), or None
+        before any request finished."""
+        mix = self.mix[model].mix()
+        if mix is None:
+            return None
+        demand = self.placer.band_demand(model)
+        rate = sum(demand.rate(p) for p in PRIORITIES)
+        t = min((self.slo.target(p) for p in PRIORITIES), key=lambda t: t.tpot_s)
+        return capacity.desired_engines(self._views(model), mix, t.ttft_s, t.tpot_s,
+                                        self.adaptive.confidence_z, rate)
+
     # ------------------------------------------------------------------ pipeline
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -254,7 +299,8 @@ class Director:
             rec.reserved_output_tokens = size.output
             async with await self._reserve(tenant, size.total, rec) as reservation:
                 try:
-                    result = await self._admit_and_send(request, req, tenant, rec, timeout_s)
+                    result = await self._admit_and_send(request, req, tenant, rec, timeout_s,
+                                                        started)
                 finally:
                     await reservation.settle(rec.prompt_tokens + rec.completion_tokens)
             if creq is not None and result.answer is not None and not (
@@ -330,7 +376,7 @@ class Director:
 
     async def _admit_and_send(self, request: web.Request, req: InferenceRequest,
                               tenant: TenantQuota, rec: RequestRecord,
-                              timeout_s: float | None) -> ProxyResult:
+                              timeout_s: float | None, arrived: float) -> ProxyResult:
         ready = [e for e in self.pool.for_model(req.model) if e.routable]
         if not ready:
             raise self._no_engine(req)
@@ -344,10 +390,11 @@ class Director:
         max_wait = min(tenant.max_queue_wait_s or self.cfg.gateway.queue.default_max_wait_s,
                        timeout_s or math.inf)
         model = req.model
+        self.placer.band_demand(model).arrived(tenant.priority)
         self._degrade(req, tenant, rec, max_wait)
         if req.model != model:  # a fallback model: its own tokenizer and blocks
             await self._measure(req)
-        need = self._need(request, req, tenant)
+        need = self._need(request, req, tenant, arrived)
         queue = self.queues[req.model]
         ticket = queue.ticket(tenant, need.tokens, request_id=rec.request_id,
                               timeout_s=timeout_s)
@@ -379,7 +426,8 @@ class Director:
         for placement in self.placer.attempts(first, need, self.cfg.gateway.retry_attempts):
             async with placement:
                 try:
-                    result = await self._send(request, req, rec, placement, prefilled)
+                    result = await self._send(request, req, rec, placement, prefilled,
+                                              tenant)
                 except UpstreamFailed as e:
                     if e.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
                         placement.engine.breaker.record(False)
@@ -396,10 +444,13 @@ class Director:
         raise self._final_error(req, failed)
 
     async def _send(self, request: web.Request, req: InferenceRequest, rec: RequestRecord,
-                    placement: Placement, prefilled: Engine | None) -> ProxyResult:
+                    placement: Placement, prefilled: Engine | None,
+                    tenant: TenantQuota) -> ProxyResult:
         """One upstream attempt on ``placement``'s engine (the decode leg when
         ``prefilled`` names the engine that ran the prefill leg); fills ``rec`` on
-        success, its TTFT counting both legs.
+        success, its TTFT counting both legs, and feeds the engine's latency ledger
+        (first token, usage, end; whole requests only). The band goes to the engine as
+        vLLM's ``priority`` (0 most urgent) only where it runs the priority scheduler.
 
         Raises:
             UpstreamFailed: as :meth:`EngineClient.send`.
@@ -419,16 +470,36 @@ class Director:
         if placement.prefix_tokens:
             headers[PREFIX_TOKENS_HEADER] = ", ".join(
                 f"{k}={v}" for k, v in placement.prefix_tokens.items())
+        engine, flight = placement.engine, placement.flight
+        ledger = engine.latency if flight is not None else None
+        if flight is not None:
+            headers["x-sluice-ttft-predicted-ms"] = f"{flight.predicted_ttft_s * 1000:.1f}"
         # a whole request of a split model: its prompt is prefill queued on the engine
         tracked = req.model in self.split_models and prefilled is None
         with self.spans("upstream", kind=SpanKind.CLIENT) as span, \
                 self.placer.prefill_tracking(placement, tracked) as first_token:
-            span.set_attribute("sluice.engine", placement.engine.id)
+            span.set_attribute("sluice.engine", engine.id)
             upstream = {"x-request-id": rec.request_id}
             if self.spans.enabled:
                 inject_traceparent(upstream)
-            result = await self.client.send(placement.engine, req, request, headers, upstream,
-                                            first_token)
+            callbacks = [f for f in (first_token, None if ledger is None else
+                                     functools.partial(ledger.first_token, flight))
+                         if f is not None]
+            result = await self.client.send(
+                engine, req, request, headers, upstream,
+                functools.partial(_call_all, callbacks) if callbacks else None,
+                priority=PRIORITIES.index(tenant.priority) if engine.priority_scheduling else None)
+        if ledger is not None:
+            rec.predicted_ttft_s = flight.predicted_ttft_s
+            ok = result.outcome is Outcome.OK
+            ledger.finished(flight, completion_tokens=result.completion_tokens,
+                            prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
+                            ok=ok and req.stream and prefilled is None)
+            if ok:
+                uncached = flight.uncached_tokens if result.cached_tokens is None \
+                    else max(0, result.prompt_tokens - result.cached_tokens)
+                self.mix[engine.model].observe(result.prompt_tokens, uncached,
+                                               result.completion_tokens)
         rec.outcome = result.outcome
         rec.ttft_s = None if result.ttft_s is None else (rec.prefill_s or 0.0) + result.ttft_s
         rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens

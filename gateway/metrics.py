@@ -14,7 +14,8 @@ similar 10 ms – 2.5 s range, vllm/v1/metrics/loggers.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -33,6 +34,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+#: |TTFT̂ − TTFT| / TTFT: the issue's goals are at 0.2 (p50) and 0.5 (p90).
+REL_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5)
 #: Outcomes counted in ``sluice_rejected_total``: admission control said no (rate
 #: limited, shed, queue timeout, no engine, over the tenant's prompt limit). Bad keys
 #: and bad requests are not load and show only in ``sluice_requests_total``.
@@ -67,6 +70,10 @@ class GatewayMetrics:
                               ["model", "engine"], buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("sluice_tpot_seconds", "Time per output token after the first.",
                               ["model", "engine"], buckets=TPOT_BUCKETS, registry=r)
+        self.ttft_error = Histogram(
+            "sluice_predicted_ttft_error", "Relative error |TTFT predicted - TTFT| / TTFT of "
+            "the adaptive admission's prediction, streamed requests.", ["model", "engine"],
+            buckets=REL_ERROR_BUCKETS, registry=r)
         self.queue_wait = Histogram("sluice_queue_wait_seconds", "Wait in the admission queue.",
                                     ["model", "priority"], buckets=QUEUE_BUCKETS, registry=r)
         self.rejected = Counter("sluice_rejected", "Requests refused, shed or rate limited.",
@@ -86,6 +93,8 @@ class GatewayMetrics:
         self.reloads = Counter("sluice_config_reloads", "Configuration reloads.", ["result"],
                                registry=r)
         self._prefix: dict[str, list[float]] = {}  # engine id -> [sum of ratios, count]
+        #: output tokens per engine id (cost metrics)
+        self.output_tokens: dict[str, int] = {}
 
     def _model(self, model: str | None) -> str:
         return model if model in self.models else "unknown"
@@ -112,11 +121,17 @@ class GatewayMetrics:
         tokens = self.cached_tokens if rec.outcome is Outcome.CACHE_HIT else self.tokens
         tokens.labels(rec.tenant, model, "prompt").inc(rec.prompt_tokens)
         tokens.labels(rec.tenant, model, "completion").inc(rec.completion_tokens)
+        if rec.engine and rec.outcome is not Outcome.CACHE_HIT:
+            self.output_tokens[rec.engine] = self.output_tokens.get(rec.engine, 0) \
+                + rec.completion_tokens
         if rec.overshoot_tokens:
             self.overshoot.labels(rec.tenant).inc(rec.overshoot_tokens)
         self.duration.labels(model, engine).observe(rec.duration_s)
         if rec.ttft_s is not None:
             self.ttft.labels(model, engine).observe(rec.ttft_s)
+            if rec.predicted_ttft_s is not None and rec.stream and rec.ttft_s > 0:
+                self.ttft_error.labels(model, engine).observe(
+                    abs(rec.predicted_ttft_s - rec.ttft_s) / rec.ttft_s)
         tpot = rec.tpot_s
         if tpot is not None:
             self.tpot.labels(model, engine).observe(tpot)
@@ -145,12 +160,65 @@ class FleetCollector(Collector):
         metrics: for the per-engine prefix-match ratio.
         store: the rate-limit counter store (its ``failovers`` count).
         limiter: the rate limiter (its open reservations and held concurrency slots).
+        tpot_target_s: the tightest TPOT target of the SLO bands, s (the target of the
+            reported concurrency limit).
+        desired_engines: model → engines its arrival rate needs (the capacity model),
+            or None when unknown (before start-up or before any request finished).
     """
 
     def __init__(self, *, pool: EnginePool, queues: Mapping[str, AdmissionQueue[Any]],
-                 metrics: GatewayMetrics, store: CounterStore, limiter: RateLimiter) -> None:
+                 metrics: GatewayMetrics, store: CounterStore, limiter: RateLimiter,
+                 tpot_target_s: float = 0.1,
+                 desired_engines: Callable[[str], float | None] = lambda m: None) -> None:
         self.pool, self.queues, self.metrics, self.store = pool, queues, metrics, store
         self.limiter = limiter
+        self.tpot_target_s = tpot_target_s
+        self.desired_engines = desired_engines
+        self.started = time.monotonic()
+
+    def _adaptive(self) -> Iterator[Any]:
+        limit = GaugeMetricFamily(
+            "sluice_engine_concurrency_limit", "Learned requests in flight per engine that "
+            "keep the tightest TPOT target (the knee).", labels=["engine", "model"])
+        mode = GaugeMetricFamily(
+            "sluice_engine_admission_mode", "1 for the active admission controller: model "
+            "(fitted latency model) or gradient (fallback limiter).",
+            labels=["engine", "model", "mode"])
+        params = GaugeMetricFamily(
+            "sluice_engine_latency_param", "Fitted latency-model parameter (s, s/token or "
+            "s/sequence; limits.latency_model).", labels=["engine", "model", "param"])
+        for e in self.pool.engines:
+            if e.latency is None:
+                continue
+            limit.add_metric([e.id, e.model], e.latency.limit(self.tpot_target_s))
+            mode.add_metric([e.id, e.model, e.latency.mode], 1.0)
+            for name, value in e.latency.model.params().items():
+                params.add_metric([e.id, e.model, name], float(value))
+        desired = GaugeMetricFamily(
+            "sluice_capacity_desired_engines", "Engines the current arrival rate needs at "
+            "the learned per-engine throughput (the HPA metric).", labels=["model"])
+        for model in self.queues:
+            n = self.desired_engines(model)
+            if n is not None:
+                desired.add_metric([model], n)
+        yield from (limit, mode, params, desired)
+
+    def _cost(self) -> Iterator[Any]:
+        """Output tokens per engine-hour and, with ``cost_per_hour``, cost per 1,000
+        output tokens, since this gateway started (the cost class of serving metrics)."""
+        per_hour = GaugeMetricFamily(
+            "sluice_engine_output_tokens_per_hour", "Output tokens per engine-hour since "
+            "the gateway started.", labels=["engine", "model"])
+        cost = GaugeMetricFamily(
+            "sluice_engine_cost_per_1k_output_tokens", "cost_per_hour x hours / output "
+            "tokens x 1000, since the gateway started.", labels=["engine", "model"])
+        hours = max(time.monotonic() - self.started, 1e-9) / 3600
+        for e in self.pool.engines:
+            tokens = self.metrics.output_tokens.get(e.id, 0)
+            per_hour.add_metric([e.id, e.model], tokens / hours)
+            if e.cost_per_hour is not None and tokens:
+                cost.add_metric([e.id, e.model], e.cost_per_hour * hours / tokens * 1000)
+        yield from (per_hour, cost)
 
     def collect(self) -> Iterator[Any]:
         up = GaugeMetricFamily("sluice_engine_up", "1 if the engine is ready (routable).",
@@ -211,3 +279,5 @@ class FleetCollector(Collector):
         slots.add_metric([], self.limiter.held_slots)
         yield from (up, kv, running, waiting, in_flight, promised, restarts, breaker, prefix,
                     depth, queued, failovers, reservations, slots)
+        yield from self._adaptive()
+        yield from self._cost()

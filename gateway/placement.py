@@ -11,19 +11,30 @@ disaggregation choice (:mod:`gateway.disagg`): a lease on the decode engine and,
 when the request is split, one on its prefill engine; retries of the prefill leg
 iterate over :meth:`Placer.prefill_attempts`. Whole requests and decode legs go only
 to engines of role ``decode`` or ``both``.
+
+With adaptive admission (``saturation.adaptive``), an engine with room must also be
+predicted to serve the request within its band's SLO (:mod:`limits.engine_latency`),
+and each placement holds a :class:`~limits.engine_latency.Flight` in the engine's
+latency ledger, which the caller feeds (first token, usage, end) and the release
+closes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from config.schema import Priority
+from config.schema import PRIORITIES, AdaptiveConfig, Priority, SloConfig
+from engines.plugins import engine_load
 from engines.pool import Engine, EngineLease, EnginePool
 from engines.scheduler import SchedRequest, Scheduler
 from gateway.disagg import Disaggregator, role, serves_whole
+from limits.engine_latency import BandDemand, EngineLatency, Flight
 from limits.interfaces import Clock
+from limits.latency_model import LatencyModel
+from limits.outcome import Outcome, Rejected
 from limits.saturation import SaturationDetector, kv_blocks
 
 
@@ -38,7 +49,9 @@ class Placement:
 
     A split request also holds ``prefill``, the lease on its prefill engine (the
     prompt's blocks), until its prefill leg ends; ``uncached`` is the prompt tokens
-    the first engine is predicted to compute.
+    the first engine is predicted to compute. With adaptive admission, ``flight`` is
+    the request's entry in the engine's latency ledger and ``on_release`` closes it
+    (once, on the first :meth:`release`).
     """
 
     lease: EngineLease
@@ -46,6 +59,8 @@ class Placement:
     prefill: EngineLease | None = None
     uncached: int = 0
     prefix_tokens: dict[str, int] = field(default_factory=dict)
+    flight: Flight | None = None
+    on_release: Callable[[Placement], None] | None = None
 
     @property
     def engine(self) -> Engine:
@@ -56,6 +71,9 @@ class Placement:
         return self.lease.blocks
 
     def release(self) -> None:
+        if self.on_release is not None:
+            done, self.on_release = self.on_release, None
+            done(self)
         self.lease.release()
         if self.prefill is not None:
             self.prefill.release()
@@ -77,12 +95,15 @@ class Need:
         tokens: KV-cache tokens it may occupy: prompt + output cap × sequences.
         splittable: may be split into prefill and decode legs (one sequence: the
             connector protocol carries one).
+        arrived: clock time it reached the gateway, s (its TTFT target counts from
+            there); None: no SLO check.
     """
 
     sched: SchedRequest
     priority: Priority
     tokens: int
     splittable: bool = True
+    arrived: float | None = None
 
 
 class Placer:
@@ -95,18 +116,36 @@ class Placer:
         clock: monotonic time, s (the metrics snapshots' clock).
         disagg: the split choice, for the models in ``split_models`` (those with
             prefill engines).
+        slo: the per-band targets.
+        adaptive: the adaptive admission's settings; when enabled every engine of the
+            pool gets an :class:`~limits.engine_latency.EngineLatency`.
+        retry_after: model → ``Retry-After`` s for a ``predicted_miss`` shed.
     """
 
     def __init__(self, *, pool: EnginePool, scheduler: Scheduler,
                  detector: SaturationDetector, clock: Clock,
                  disagg: Disaggregator | None = None,
-                 split_models: frozenset[str] = frozenset()) -> None:
+                 split_models: frozenset[str] = frozenset(),
+                 slo: SloConfig | None = None, adaptive: AdaptiveConfig | None = None,
+                 retry_after: Callable[[str], int] = lambda m: 1) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.detector = detector
         self.clock = clock
         self.disagg = disagg
         self.split_models = split_models if disagg is not None else frozenset()
+        self.slo = slo or SloConfig()
+        self.adaptive = adaptive or AdaptiveConfig(enabled=False)
+        self.retry_after = retry_after
+        #: per model, each band's expected occupancy (room kept for urgent bands)
+        self.demand: dict[str, BandDemand] = {}
+        for e in pool.engines:
+            if self.adaptive.enabled:
+                e.latency = EngineLatency(
+                    LatencyModel(forgetting=self.adaptive.forgetting,
+                                 min_samples=self.adaptive.min_samples,
+                                 max_rel_error=self.adaptive.max_rel_error),
+                    clock, z=self.adaptive.confidence_z)
 
     def candidates(self, model: str, priority: Priority, tokens: int,
                    exclude: frozenset[str] = frozenset(), *,
@@ -119,22 +158,96 @@ class Placer:
                 and (role(e) == "prefill" if prefill else serves_whole(e))
                 and self.detector.admits(e, priority, tokens, now)]
 
+    def band_demand(self, model: str) -> BandDemand:
+        """``model``'s per-band demand (created on first use)."""
+        demand = self.demand.get(model)
+        if demand is None:
+            demand = self.demand[model] = BandDemand(self.clock, PRIORITIES)
+        return demand
+
+    def uncached(self, engine: Engine, sched: SchedRequest, now: float) -> int:
+        """Prompt tokens ``engine`` must compute for ``sched``: the prompt less the
+        leading blocks its prefix index says the engine holds."""
+        hit = self.scheduler.index.match(engine, sched.blocks, now) if sched.blocks else 0
+        return max(0, sched.prompt_tokens - hit * sched.block_size)
+
+    def within_slo(self, engines: list[Engine], need: Need, now: float) -> list[Engine]:
+        """The engines predicted to serve ``need`` within its band's SLO
+        (:func:`limits.engine_latency.decide`), keeping room for more urgent bands.
+
+        Raises:
+            Rejected: ``OVERLOADED`` (reason ``predicted_miss``) when, with every
+                ready engine's model trusted, even one with no prefill queued would
+                start the request after its TTFT target because of the time it has
+                already waited (it could have met it on arrival): serving it late
+                would only take capacity from requests that can still make theirs.
+        """
+        assert need.arrived is not None
+        model, priority = need.sched.model, need.priority
+        target = self.slo.target(priority)
+        budget = target.ttft_s - (now - need.arrived)
+        z = self.adaptive.confidence_z
+        ready = [e for e in self.pool.for_model(model) if e.routable and serves_whole(e)]
+        best = math.inf
+        for e in ready:
+            lat = e.latency
+            if lat is None or not lat.model.confident:
+                best = -math.inf
+                break
+            best = min(best, lat.model.predict_ttft(self.uncached(e, need.sched, now),
+                                                    lat.decoding).upper(z))
+        if budget < best <= target.ttft_s:
+            raise Rejected(Outcome.OVERLOADED,
+                           f"no engine can start this {priority} request within its "
+                           f"{target.ttft_s:g} s TTFT target any more; shed",
+                           retry_after_s=self.retry_after(model), reason="predicted_miss")
+        band = PRIORITIES.index(priority)
+        urgent = self.band_demand(model).urgent_reserve(priority) / max(1, len(ready))
+        return [e for e in engines if e.latency is None or e.latency.decide(
+            self.uncached(e, need.sched, now), budget, target.tpot_s, engine_load(e),
+            max(0.0, urgent - e.latency.urgent_in_flight(band))).admit]
+
     def place(self, need: Need, exclude: frozenset[str] = frozenset()) -> Placement | None:
-        """Pick an engine with room for ``need`` and lease it, or None when none has
-        room now."""
+        """Pick an engine with room for ``need`` (and, with adaptive admission, within
+        its SLO) and lease it, or None when none has room now.
+
+        Raises:
+            Rejected: ``predicted_miss``, as :meth:`within_slo`.
+        """
         candidates = self.candidates(need.sched.model, need.priority, need.tokens, exclude)
+        now = self.clock.now()
+        if candidates and self.adaptive.enabled and need.arrived is not None:
+            candidates = self.within_slo(candidates, need, now)
         if not candidates:
             return None
-        now = self.clock.now()
         if need.sched.model in self.split_models and need.splittable and not exclude:
             return self._place_split(need, candidates, now)
         decision = self.scheduler.pick(need.sched, candidates, now)
         if decision is None:
             return None
-        blocks = kv_blocks(need.tokens, decision.engine.block_size)
-        lease = self.pool.lease(decision.engine, blocks)
-        self.scheduler.record(need.sched, decision.engine, now)
-        return Placement(lease, decision.scores, prefix_tokens=decision.prefix_tokens)
+        engine = decision.engine
+        uncached = self.uncached(engine, need.sched, now)  # before record() adds the blocks
+        blocks = kv_blocks(need.tokens, engine.block_size)
+        lease = self.pool.lease(engine, blocks)
+        self.scheduler.record(need.sched, engine, now)
+        if engine.latency is None:
+            return Placement(lease, decision.scores, uncached=uncached,
+                             prefix_tokens=decision.prefix_tokens)
+        flight = engine.latency.sent(uncached, need.sched.prompt_tokens,
+                                     self.slo.target(need.priority).tpot_s,
+                                     PRIORITIES.index(need.priority))
+        return Placement(lease, decision.scores, uncached=uncached, flight=flight,
+                         on_release=self._close_flight, prefix_tokens=decision.prefix_tokens)
+
+    def _close_flight(self, placement: Placement) -> None:
+        """A placement's release: its flight leaves the ledger (learning nothing if
+        the caller did not finish it) and its time on the engine feeds the band's
+        demand."""
+        flight, engine = placement.flight, placement.engine
+        assert flight is not None and engine.latency is not None
+        engine.latency.finished(flight, ok=False)  # no-op if already finished
+        self.band_demand(engine.model).served(PRIORITIES[flight.band],
+                                         self.clock.now() - flight.sent_at)
 
     def _place_split(self, need: Need, candidates: list[Engine], now: float) -> Placement | None:
         """The disaggregation choice among ``candidates`` (decode side) and the

@@ -92,6 +92,8 @@ class ProxyResult:
         prompt_tokens / completion_tokens: from the engine's usage; for a stream cut
             short, the estimate and the content chunks streamed so far.
         ttft_s: seconds from sending to the first generated output, or None.
+        cached_tokens: ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens
+            the engine's prefix cache served), or None when it did not report it.
         answer: the complete answer as a non-streaming body (for the cache), or None
             if it did not finish normally.
     """
@@ -103,6 +105,13 @@ class ProxyResult:
     ttft_s: float | None
     answer: dict[str, Any] | None
     finish_reasons: list[str]
+    cached_tokens: int | None = None
+
+
+def _cached_tokens(usage: Mapping[str, Any] | None) -> int | None:
+    details = (usage or {}).get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 
 def _usage(usage: Mapping[str, Any] | None, prompt_est: int, streamed: int) -> tuple[int, int]:
@@ -206,20 +215,24 @@ class EngineClient:
             total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s
         )
 
-    def _upstream_body(self, req: InferenceRequest) -> bytes:
+    def _upstream_body(self, req: InferenceRequest, priority: int | None) -> bytes:
         body = req.body
+        if priority is not None or "priority" in body:  # the band decides, not the client
+            body = {k: v for k, v in body.items() if k != "priority"}
+            if priority is not None:
+                body["priority"] = priority
         if req.stream:
             opts = dict(body.get("stream_options") or {})
             opts["include_usage"] = True
             body = {**body, "stream_options": opts}
         return json.dumps(body, ensure_ascii=False).encode()
 
-    async def _open(self, engine: Engine, req: InferenceRequest,
-                    headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+    async def _open(self, engine: Engine, req: InferenceRequest, headers: Mapping[str, str],
+                    priority: int | None) -> aiohttp.ClientResponse:
         try:
             resp = await self.session.post(
                 engine.base_url + PATHS[req.endpoint],
-                data=self._upstream_body(req),
+                data=self._upstream_body(req, priority),
                 headers={"Content-Type": "application/json", **headers},
                 timeout=self._client_timeout,
             )
@@ -238,10 +251,12 @@ class EngineClient:
     async def send(self, engine: Engine, req: InferenceRequest, request: web.Request,
                    response_headers: Mapping[str, str],
                    upstream_headers: Mapping[str, str] = {},
-                   on_first_token: Callable[[], None] | None = None) -> ProxyResult:
+                   on_first_token: Callable[[], None] | None = None,
+                   priority: int | None = None) -> ProxyResult:
         """Send ``req`` to ``engine`` and relay the answer to ``request``'s client;
-        ``on_first_token`` is called when the first output arrives (a stream's first
-        content event, a whole answer).
+        ``on_first_token`` is called when the first generated output arrives (for a
+        non-streaming answer: when the whole answer arrives). ``priority``: vLLM's
+        ``priority`` field to send (a client's own ``priority`` is never forwarded).
 
         Raises:
             UpstreamFailed: nothing was sent to the client yet (retry is safe).
@@ -253,7 +268,7 @@ class EngineClient:
         try:
             async with asyncio.timeout(self.timeouts.first_token_s if req.stream
                                        else self.timeouts.non_stream_s):
-                resp = await self._open(engine, req, upstream_headers)
+                resp = await self._open(engine, req, upstream_headers, priority)
                 if not req.stream:
                     raw = await resp.read()
         except TimeoutError:
@@ -287,6 +302,7 @@ class EngineClient:
             response=web.Response(body=raw, content_type="application/json", headers=headers),
             prompt_tokens=prompt, completion_tokens=completion,
             ttft_s=self.clock.now() - start, answer=answer,
+            cached_tokens=_cached_tokens(answer.get("usage")),
             finish_reasons=[r for r in reasons if r],
         )
 
@@ -376,5 +392,6 @@ class EngineClient:
             outcome=outcome, response=out, prompt_tokens=prompt, completion_tokens=completion,
             ttft_s=ttft, answer=summary.to_response() if outcome is Outcome.OK else None,
             finish_reasons=list(summary.finish_reasons.values()),
+            cached_tokens=_cached_tokens(summary.usage),
         )
 

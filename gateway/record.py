@@ -22,7 +22,8 @@ class RequestRecord:
     the finer cause of a rejection (``requests_per_min``, ``queue_full``…);
     ``reserved_output_tokens`` is the output part of the tokens/min reservation
     (tokens; None when nothing was reserved, e.g. a cache hit); ``prefill_s`` is a
-    split request's prefill leg (s, included in ``ttft_s``)."""
+    split request's prefill leg (s, included in ``ttft_s``); ``predicted_ttft_s`` the
+    adaptive admission's TTFT̂ at send time."""
 
     request_id: str
     path: str = ""
@@ -40,6 +41,7 @@ class RequestRecord:
     queue_s: float | None = None
     ttft_s: float | None = None
     prefill_s: float | None = None
+    predicted_ttft_s: float | None = None
     cache: str = "bypass"
     degraded: tuple[str, ...] = ()
     stream: bool = False

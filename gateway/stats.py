@@ -78,14 +78,16 @@ class StatsFeed:
         queues: the admission queues, ``{model: AdmissionQueue}``.
         reloads: the recent :class:`~gateway.reload.ReloadEvent` s, a live collection
             (the reloader's ``history``; empty when no tenants file is watched).
+        tpot_target_s: the tightest SLO TPOT target, s (the engines' reported limits).
     """
 
     def __init__(self, *, metrics: GatewayMetrics, pool: EnginePool,
                  queues: Mapping[str, AdmissionQueue[Any]],
                  reloads: Iterable[ReloadEvent], interval_s: float = 1.0,
-                 samples: int = 300, window_s: float = 60.0) -> None:
+                 samples: int = 300, window_s: float = 60.0, tpot_target_s: float = 0.1) -> None:
         self.metrics, self.pool, self.queues, self.reloads = metrics, pool, queues, reloads
         self.interval_s = interval_s
+        self._started = time.monotonic()
         self.window = max(1, round(window_s / interval_s))
         self.t: deque[float] = deque(maxlen=samples)
         self.depth: dict[str, deque[int]] = {p: deque(maxlen=samples) for p in PRIORITIES}
@@ -94,6 +96,13 @@ class StatsFeed:
         self._ttft: deque[list[tuple[float, float]]] = deque(maxlen=self.window + 1)
         self._tpot: deque[list[tuple[float, float]]] = deque(maxlen=self.window + 1)
         self._last: tuple[float, float] | None = None
+        self._samples = samples
+        #: per engine id, its concurrency limit and in-flight count at each reading
+        self.engine_series: dict[str, dict[str, deque[float | None]]] = {}
+        self.tpot_target_s = tpot_target_s
+        #: per engine id, (output tokens per engine-hour, cost per 1k output tokens) at
+        #: the last reading, so a snapshot agrees with the page between readings
+        self._rates: dict[str, tuple[float | None, float | None]] = {}
 
     def _totals(self) -> tuple[float, float]:
         admitted = sum(v for lab, v in _counter_values(self.metrics.requests)
@@ -117,6 +126,14 @@ class StatsFeed:
         self.shed_rps.append((rejected - last_r) / self.interval_s)
         self._ttft.append(_buckets(self.metrics.ttft))
         self._tpot.append(_buckets(self.metrics.tpot))
+        for e in self.pool.engines:
+            self._rates[e.id] = (self._per_hour(e.id), self._cost(e.id, e.cost_per_hour))
+            series = self.engine_series.setdefault(e.id, {
+                "limit": deque([None] * (len(self.t) - 1), maxlen=self._samples),
+                "in_flight": deque([None] * (len(self.t) - 1), maxlen=self._samples)})
+            series["limit"].append(
+                e.latency.limit(self.tpot_target_s) if e.latency is not None else None)
+            series["in_flight"].append(e.in_flight)
 
     async def run(self) -> None:
         while True:
@@ -127,6 +144,20 @@ class StatsFeed:
         window = _delta(_buckets(hist), history[0] if history else None)
         value = histogram_quantile(q, window)
         return None if value is None else round(value * 1000, 1)
+
+    def _hours(self) -> float:
+        return max(time.monotonic() - self._started, 1e-9) / 3600
+
+    def _per_hour(self, engine_id: str) -> float:
+        """Output tokens per engine-hour since start."""
+        return round(self.metrics.output_tokens.get(engine_id, 0) / self._hours(), 1)
+
+    def _cost(self, engine_id: str, cost_per_hour: float | None) -> float | None:
+        """Cost per 1,000 output tokens since start, or None without a price."""
+        tokens = self.metrics.output_tokens.get(engine_id, 0)
+        if cost_per_hour is None or not tokens:
+            return None
+        return round(cost_per_hour * self._hours() / tokens * 1000, 6)
 
     def snapshot(self) -> dict[str, Any]:
         """The feed's JSON (shape documented in ``gateway/static/README`` and the
@@ -151,12 +182,18 @@ class StatsFeed:
             "running": e.metrics.num_running if e.metrics else 0,
             "waiting": e.metrics.num_waiting if e.metrics else 0,
             "in_flight": e.in_flight, "restarts": e.restarts,
+            "limit": e.latency.limit(self.tpot_target_s) if e.latency is not None else None,
+            "mode": e.latency.mode if e.latency is not None else None,
+            "output_tokens_per_hour": self._rates.get(e.id, (None, None))[0],
+            "cost_per_1k_output_tokens": self._rates.get(e.id, (None, None))[1],
         } for e in self.pool.engines]
         return {
             "now": time.time(), "interval_s": self.interval_s,
             "series": {"t": list(self.t),
                        "queue_depth": {p: list(d) for p, d in self.depth.items()},
-                       "admitted_rps": list(self.admitted_rps), "shed_rps": list(self.shed_rps)},
+                       "admitted_rps": list(self.admitted_rps), "shed_rps": list(self.shed_rps),
+                       "engines": {e: {k: list(v) for k, v in d.items()}
+                                   for e, d in self.engine_series.items()}},
             "tenants": tenants,
             "engines": engines,
             "latency": {

@@ -3,16 +3,22 @@ tenants inside a band, deadlines, shedding, and ``Retry-After`` from the drain r
 
 Order: strict priority between bands (:data:`config.schema.PRIORITIES`, most urgent
 first); inside a band, deficit round robin on estimated tokens between tenants,
-weighted by ``TenantQuota.weight`` (:mod:`limits.drr`; Shreedhar & Varghese 1995).
+weighted by ``TenantQuota.weight`` (:mod:`limits.drr`; Shreedhar & Varghese 1995), and
+each tenant's tickets earliest deadline first (EDF; Liu & Layland, JACM 1973), so a
+request with a short ``x-request-timeout`` goes before its tenant's longer-waiting ones.
 Placement is tried in that order only: when the next ticket does not fit, later ones
 wait too (no backfilling, which would starve large or urgent requests).
 
 Bounds (:class:`config.schema.QueueConfig`): ``max_requests`` tickets and
 ``max_tokens`` estimated tokens. A ticket that does not fit sheds the lowest-priority
 newest queued ticket — possibly itself — with ``Rejected(OVERLOADED,
-reason="queue_full")``. ``Retry-After`` is ``ceil(backlog / drain rate)`` seconds,
-at least 1, where the drain rate is an EWMA of admissions per second
-(:mod:`limits.drain_rate`).
+reason="queue_full")``. A ticket predicted to miss its deadline — the tickets ahead
+of it (its band and more urgent ones) over the drain rate exceed the time it has
+left — is shed at once with ``Rejected(OVERLOADED, reason="predicted_miss")``
+rather than waiting to be served late (a request that misses its SLO only wastes
+capacity). ``Retry-After`` is the predicted drain time, ``ceil(backlog / drain
+rate)`` seconds, at least 1, where the drain rate is an EWMA of admissions per
+second (:mod:`limits.drain_rate`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from config.schema import PRIORITIES, Priority, QueueConfig, TenantQuota
-from limits.drain_rate import DrainRate
+from limits.drain_rate import DrainRate, ServiceRate
 from limits.drr import DeficitRoundRobin
 from limits.interfaces import Clock
 from limits.outcome import Outcome, Rejected
@@ -104,6 +110,7 @@ class AdmissionQueue(Generic[P]):
         self._arrivals: list[dict[_Waiter[P], None]] = [{} for _ in PRIORITIES]
         self._tokens = 0
         self._drain = DrainRate(drain_tau_s)
+        self._service = ServiceRate()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kick: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -138,7 +145,9 @@ class AdmissionQueue(Generic[P]):
 
         Raises:
             Rejected: ``QUEUE_TIMEOUT`` at the deadline; ``OVERLOADED`` with reason
-                ``queue_full`` when shed. Both carry ``retry_after_s`` (integer ≥ 1).
+                ``queue_full`` when shed, ``predicted_miss`` when the queue ahead
+                predicts a wait past the deadline. All carry ``retry_after_s``
+                (integer ≥ 1).
             asyncio.CancelledError: when the caller is cancelled; the ticket leaves
                 the queue at once.
         """
@@ -150,6 +159,9 @@ class AdmissionQueue(Generic[P]):
                 return placement
         if ticket.deadline <= now:
             raise self._timeout(ticket, 0.0)
+        if self._service.rate() is not None and \
+                self.predicted_wait_s(ticket.priority) > ticket.deadline - now:
+            raise self._shed(ticket, predicted=True)
         self._loop = asyncio.get_running_loop()
         waiter = _Waiter(ticket, PRIORITIES.index(ticket.priority), place, undo,
                          self._loop.create_future(), now)
@@ -190,13 +202,15 @@ class AdmissionQueue(Generic[P]):
 
     def predicted_wait_s(self, priority: Priority | None = None) -> float:
         """Seconds a new ticket would wait: the tickets ahead of it plus itself over
-        the observed drain rate (admissions/s); before anything drained,
-        ``QueueConfig.default_max_wait_s``. With ``priority``, only tickets of that band
-        and more urgent ones count (strict priority: less urgent bands wait behind
-        it); without, the whole backlog."""
+        the rate at which a backlog drains (:class:`~limits.drain_rate.ServiceRate`,
+        placements/s while tickets wait), or before a backlog was seen, the observed
+        admission rate; before anything drained, ``QueueConfig.default_max_wait_s``.
+        With ``priority``, only tickets of that band and more urgent ones count
+        (strict priority: less urgent bands wait behind it); without, the whole
+        backlog."""
         ahead = len(self) if priority is None else sum(
             len(a) for a in self._arrivals[:PRIORITIES.index(priority) + 1])
-        rate = self._drain.rate(self._clock.now())
+        rate = self._service.rate() or self._drain.rate(self._clock.now())
         return (ahead + 1) / rate if rate > 0 else self.config.default_max_wait_s
 
     def retry_after_s(self) -> int:
@@ -238,6 +252,7 @@ class AdmissionQueue(Generic[P]):
             now = self._clock.now()
             waiter.ticket.queue_wait_s = now - waiter.enqueued_at
             self._drain.add(now)
+            self._service.departed(now, backlog_left=len(self) > 0)
             waiter.future.set_result(placement)
         self._arm_timer()
 
@@ -279,9 +294,10 @@ class AdmissionQueue(Generic[P]):
 
     def _push(self, waiter: _Waiter[P]) -> None:
         t = waiter.ticket
-        self._bands[waiter.band].push(t.tenant, waiter, t.tokens, t.weight)
+        self._bands[waiter.band].push(t.tenant, waiter, t.tokens, t.weight, key=t.deadline)
         self._arrivals[waiter.band][waiter] = None
         self._tokens += t.tokens
+        self._service.backlogged(self._clock.now())
 
     def _discard(self, waiter: _Waiter[P], *, served: bool = False) -> None:
         """Remove ``waiter`` from the queue if it is still there; ``served`` (it is
@@ -295,6 +311,8 @@ class AdmissionQueue(Generic[P]):
             else:
                 band.remove(waiter.ticket.tenant, waiter)
             self._tokens -= waiter.ticket.tokens
+            if not served and not len(self):
+                self._service.idle()
         self._arm_timer()
 
     @staticmethod
@@ -302,7 +320,13 @@ class AdmissionQueue(Generic[P]):
         if not waiter.future.done():
             waiter.future.set_exception(error)
 
-    def _shed(self, ticket: Ticket) -> Rejected:
+    def _shed(self, ticket: Ticket, *, predicted: bool = False) -> Rejected:
+        if predicted:
+            return Rejected(
+                Outcome.OVERLOADED,
+                f"the {self.model} queue would not reach this {ticket.priority} request "
+                "before its deadline; shed",
+                retry_after_s=self.retry_after_s(), reason="predicted_miss")
         return Rejected(
             Outcome.OVERLOADED,
             f"the {self.model} queue is full; {ticket.priority} request shed",

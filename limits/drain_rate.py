@@ -47,3 +47,48 @@ class DrainRate:
 
     def _decayed(self, now: float) -> float:
         return self._value * math.exp(-max(0.0, now - self._at) / self._tau_s)
+
+
+class ServiceRate:
+    """Departures per second from a *backlogged* queue: the reciprocal of an EWMA of
+    the gaps between departures while tickets wait (the first gap of a backlog counts
+    from the moment it formed). Unlike :class:`DrainRate` it does not read a lightly
+    loaded queue's arrival rate as its capacity: a burst at low load queues behind
+    engines that free up quickly, and this rate says so.
+
+    Args:
+        alpha: weight of each new gap (0–1, default 0.2).
+        min_samples: gaps before :meth:`rate` answers (default 5).
+    """
+
+    def __init__(self, alpha: float = 0.2, min_samples: int = 5) -> None:
+        self._alpha = alpha
+        self._min_samples = min_samples
+        self._mean_gap = 0.0
+        self._samples = 0
+        self._mark: float | None = None
+
+    def backlogged(self, now: float) -> None:
+        """Tickets are waiting at ``now`` (s); starts a gap unless one is running."""
+        if self._mark is None:
+            self._mark = now
+
+    def departed(self, now: float, *, backlog_left: bool) -> None:
+        """A waiting ticket was placed at ``now`` (s); ``backlog_left``: others still
+        wait."""
+        if self._mark is not None:
+            gap = max(0.0, now - self._mark)
+            self._mean_gap = gap if self._samples == 0 else (
+                self._mean_gap + self._alpha * (gap - self._mean_gap))
+            self._samples += 1
+        self._mark = now if backlog_left else None
+
+    def idle(self) -> None:
+        """The queue emptied without a departure (timeouts, cancellations)."""
+        self._mark = None
+
+    def rate(self) -> float | None:
+        """Departures per second while backlogged, or None before ``min_samples``."""
+        if self._samples < self._min_samples:
+            return None
+        return 1.0 / self._mean_gap if self._mean_gap > 0 else float("inf")

@@ -12,6 +12,7 @@ quantum is at least the largest item.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Generic, TypeVar
 
@@ -20,7 +21,7 @@ T = TypeVar("T")
 
 class DeficitRoundRobin(Generic[T]):
     """Items grouped by flow; :meth:`head` names the item DRR serves next and
-    :meth:`pop` serves it. Items are compared by identity.
+    :meth:`pop` serves it. Items are compared by identity (and must be hashable).
 
     Args:
         quantum: size credited per turn to a flow of weight 1 (here: tokens).
@@ -32,18 +33,28 @@ class DeficitRoundRobin(Generic[T]):
         self._weight: dict[str, float] = {}
         self._deficit: dict[str, float] = {}
         self._round: deque[str] = deque()  # backlogged flows; [0] has the turn
+        self._keys: dict[T, float] = {}  # order keys of queued items that have one
         self._credited = False  # whether _round[0] got its quantum this turn
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
-    def push(self, flow: str, item: T, size: float, weight: float) -> None:
-        """Queue ``item`` of ``size`` (≥ 0) for ``flow`` with share ``weight`` (> 0)."""
+    def push(self, flow: str, item: T, size: float, weight: float,
+             key: float | None = None) -> None:
+        """Queue ``item`` of ``size`` (≥ 0) for ``flow`` with share ``weight`` (> 0).
+        Inside a flow items are served in ``key`` order (earliest deadline first),
+        arrival order among equal keys; without a key, at the back."""
         if flow not in self._queues:
             self._queues[flow] = deque()
             self._deficit[flow] = 0.0
             self._round.append(flow)
-        self._queues[flow].append((item, size))
+        queue = self._queues[flow]
+        at = len(queue)
+        if key is not None:
+            self._keys[item] = key
+            while at > 0 and self._keys.get(queue[at - 1][0], -math.inf) > key:
+                at -= 1
+        queue.insert(at, (item, size))
         self._weight[flow] = weight
 
     def head(self) -> T | None:
@@ -64,6 +75,7 @@ class DeficitRoundRobin(Generic[T]):
         """Serve the item :meth:`head` returned (call ``head`` first)."""
         flow = self._round[0]
         item, size = self._queues[flow].popleft()
+        self._keys.pop(item, None)
         self._deficit[flow] -= size
         if not self._queues[flow]:
             self._leave(flow)
@@ -72,6 +84,7 @@ class DeficitRoundRobin(Generic[T]):
     def remove(self, flow: str, item: T) -> None:
         """Take ``item`` out without serving it (cancelled, expired or shed)."""
         queue = self._queues[flow]
+        self._keys.pop(item, None)
         for i, (queued, _) in enumerate(queue):
             if queued is item:
                 del queue[i]

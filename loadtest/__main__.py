@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "realprompts": "loadtest.realprompts",
     "overhead": "loadtest.overhead",
     "overload": "loadtest.overload",
+    "adaptive": "loadtest.adaptive",
     "semcache": "loadtest.semcache",
     "validate-sim": "loadtest.validate_sim",
     "token-estimate": "loadtest.token_estimate",

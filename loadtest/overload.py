@@ -76,6 +76,8 @@ class Outcome:
     e2e_s: float | None = None
     queue_ms: float | None = None
     completion_tokens: int = 0
+    engine: str | None = None
+    predicted_ttft_ms: float | None = None
 
     @property
     def good(self) -> bool:
@@ -88,10 +90,12 @@ class Outcome:
 
 class Engines:
     """The simulated engine processes, started by the benchmark (the gateway routes
-    to them as ``external`` engines, so the same processes serve both targets)."""
+    to them as ``external`` engines, so the same processes serve both targets).
+    ``speed``: one simulator speed factor for all, or one per engine."""
 
-    def __init__(self, n: int, profile: str, speed: float, log_dir: Path,
+    def __init__(self, n: int, profile: str, speed: float | list[float], log_dir: Path,
                  extra: list[str]) -> None:
+        speeds = speed if isinstance(speed, list) else [speed] * n
         self.procs: list[subprocess.Popen[bytes]] = []
         self.urls: list[str] = []
         for i in range(n):
@@ -99,7 +103,7 @@ class Engines:
             log = (log_dir / f"engine-{i}.log").open("wb")
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "loadtest.sim_engine", "--port", str(port),
-                 "--model", MODEL, "--profile", profile, "--speed", str(speed), *extra],
+                 "--model", MODEL, "--profile", profile, "--speed", str(speeds[i]), *extra],
                 stdout=log, stderr=subprocess.STDOUT))
             self.urls.append(f"http://127.0.0.1:{port}")
 
@@ -141,23 +145,27 @@ class Engines:
 # ----------------------------------------------------------------------------- config
 
 
-def write_gateway_config(directory: Path, engine_urls: list[str], max_in_flight: int,
-                         args: argparse.Namespace) -> Path:
+def write_gateway_config(directory: Path, engine_urls: list[str], args: argparse.Namespace,
+                         saturation: dict[str, Any], gateway_extra: dict[str, Any] | None = None,
+                         ) -> Path:
     """gateway.yaml / engines.yaml / tenants.yaml for the run (cache off: the
-    workload's prompts are unique, and the comparison is about admission)."""
+    workload's prompts are unique, and the comparison is about admission), with
+    ``saturation`` as engines.yaml's section and ``gateway_extra`` merged into
+    gateway.yaml."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "gateway.yaml").write_text(yaml.safe_dump({
         "cache": {"enabled": False},
         "observability": {"access_log": False, "tracing": False},
         "queue": {"max_requests": args.queue_max},
+        **(gateway_extra or {}),
     }))
     (directory / "engines.yaml").write_text(yaml.safe_dump({
-        "engines": [{"name": f"sim-{i}", "model": MODEL, "kind": "external", "url": u}
-                    for i, u in enumerate(engine_urls)],
+        # external: the benchmark starts the simulators; they tokenize as the simulator
+        "engines": [{"name": f"sim-{i}", "model": MODEL, "kind": "external", "url": u,
+                     "tokenizer": "fallback"} for i, u in enumerate(engine_urls)],
         "supervisor": {"metrics_interval_s": 0.25, "probe_interval_s": 1.0,
                        "inference_probe_idle_s": 3600},
-        "saturation": {"max_in_flight": max_in_flight,
-                       "interactive_reserve": args.interactive_reserve},
+        "saturation": saturation,
     }))
     waits = {"interactive": args.interactive_wait, "standard": args.standard_wait,
              "batch": args.batch_wait}
@@ -183,6 +191,9 @@ async def measured(session: aiohttp.ClientSession, url: str, spec: RequestSpec, 
     out.status, out.error_code = m.status, m.error_code
     out.ttft_s, out.tpot_s, out.e2e_s = m.ttft_s, m.tpot_s, m.e2e_s
     out.queue_ms, out.completion_tokens = m.queue_ms, m.completion_tokens
+    out.engine = m.engine
+    predicted = m.headers.get("x-sluice-ttft-predicted-ms")
+    out.predicted_ttft_ms = float(predicted) if predicted is not None else None
     return out
 
 
@@ -317,7 +328,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             max_in_flight = args.max_in_flight or best["per_engine"]
             report["capacity"] = {"requests_per_s": capacity, "per_engine": best["per_engine"],
                                   "probes": probes, "max_in_flight": max_in_flight}
-            cfg_dir = write_gateway_config(out_dir / "config", engines.urls, max_in_flight, args)
+            cfg_dir = write_gateway_config(
+                out_dir / "config", engines.urls, args,
+                {"max_in_flight": max_in_flight, "interactive_reserve": args.interactive_reserve})
             with gateway(cfg_dir, log_path=out_dir / "gateway.log", ready_timeout_s=60) as gw:
                 gproc = psutil.Process(gw.proc.pid)
                 for k in args.levels:

@@ -55,6 +55,11 @@ POLICIES = {
     "prefix-only": lambda: {"filters": [], "scorers": [{"type": "prefix-affinity"}],
                             "picker": {"type": "max-score"}},
     "default": _shipped_scheduler,
+    # the shipped filters, with predicted TTFT (prefix hits and queued prefill in
+    # seconds) in place of prefix-affinity + queue-depth + kv-cache-usage
+    "predicted-ttft": lambda: {**_shipped_scheduler(), "scorers": [
+        {"type": "predicted-ttft", "weight": 2.0}, {"type": "session-affinity", "weight": 2.0},
+        {"type": "kv-cache-usage", "weight": 0.5}]},
 }
 
 

@@ -74,8 +74,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"probe: {probe}", file=sys.stderr, flush=True)
                 capacity = probe["completed_per_s"]
             await engines.wait_idle(session)
-            cfg = overload.write_gateway_config(out_dir / "config", engines.urls,
-                                                args.per_engine, ov)
+            cfg = overload.write_gateway_config(
+                out_dir / "config", engines.urls, ov,
+                {"max_in_flight": args.per_engine, "interactive_reserve": ov.interactive_reserve})
             specs = overload.workload(args.load * capacity, duration, ov, seed=args.seed)
             with gateway(cfg, log_path=out_dir / "gateway.log", ready_timeout_s=60) as gw:
                 proc = psutil.Process(gw.proc.pid)

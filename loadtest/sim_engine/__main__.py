@@ -35,8 +35,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-events-config", type=KVEventsConfig.from_json,
                    help="vLLM's KV-event publisher config (JSON)")
-    p.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="report usage.prompt_tokens_details.cached_tokens")
     p.add_argument("--role", choices=ROLES, default="both",
                    help="disaggregated serving: prefill legs, decode legs or both "
                         "(needs --kv-connector)")
@@ -50,6 +48,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"),
                    default="recompute",
                    help="blocks gone: prefill locally, or fail the request (vLLM's default)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens")
     args = p.parse_args(argv)
     if args.role != "both" and args.kv_connector is None:
         p.error("--role prefill/decode needs --kv-connector")
@@ -64,6 +65,7 @@ async def _serve_forever(args: argparse.Namespace) -> None:
     events = args.kv_events_config
     publisher = SimEventPublisher(events) if events is not None and events.enabled else None
     engine = SimEngine(profile, args.model, speed=args.speed, publisher=publisher,
+                       scheduling_policy=args.scheduling_policy,
                        prompt_tokens_details=args.enable_prompt_tokens_details)
     connector = None if args.kv_connector is None else SimConnector(
         engine, args.role, args.kv_transfer_gbps, args.kv_lease_s,

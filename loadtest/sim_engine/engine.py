@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
+from prometheus_client import Counter
+
 from limits.clock import MONOTONIC
 from limits.interfaces import Clock
 from loadtest.sim_engine.kv_cache import KVCache
@@ -25,16 +27,23 @@ class SimEngine:
         profile: geometry, limits and cost model (see ``profiles.py``).
         model_name: served model name (metric label).
         speed: simulated seconds per wall second (> 0); 2.0 runs twice as fast as
-            the modelled device, 0.5 half as fast.
+            the modelled device, 0.5 half as fast. :meth:`set_speed` changes it
+            while running (``POST /sim/speed``).
         clock: monotonic wall clock, s (injectable for tests).
+        scheduling_policy: ``fcfs`` or ``priority`` (vLLM ``--scheduling-policy``).
+        prompt_tokens_details: report ``usage.prompt_tokens_details.cached_tokens``
+            (vLLM ``--enable-prompt-tokens-details``).
         publisher: publishes the KV cache's events after every step (vLLM's
             ``--kv-events-config``); None: no events.
-        prompt_tokens_details: report ``usage.prompt_tokens_details.cached_tokens``
-            (vLLM's ``--enable-prompt-tokens-details``).
+
+    Attributes:
+        priorities: ``sim:requests_by_priority_total{priority}``, a series vLLM does
+            not have: requests received per ``priority`` value (so tests can see what
+            the gateway sent).
     """
 
     def __init__(self, profile: Profile, model_name: str, speed: float = 1.0,
-                 clock: Clock = MONOTONIC,
+                 clock: Clock = MONOTONIC, *, scheduling_policy: str = "fcfs",
                  publisher: SimEventPublisher | None = None,
                  prompt_tokens_details: bool = False) -> None:
         if speed <= 0:
@@ -50,13 +59,21 @@ class SimEngine:
         self.speed = speed
         self.clock = clock
         self.publisher = publisher
-        self.prompt_tokens_details = prompt_tokens_details
         self.kv = KVCache(profile.num_blocks, profile.block_size, events=publisher is not None)
-        self.scheduler = Scheduler(profile, self.kv)
+        self.scheduler = Scheduler(profile, self.kv, scheduling_policy)
+        self.prompt_tokens_details = prompt_tokens_details
         self.metrics = sim_metrics(self.scheduler, model_name)
+        self.priorities = Counter("sim:requests_by_priority", "Requests received by priority.",
+                                  ["priority"], registry=self.metrics.registry)
         self._wake = asyncio.Event()
         self._thawed = asyncio.Event()  # cleared while frozen
         self._thawed.set()
+
+    def set_speed(self, speed: float) -> None:
+        """Run at ``speed`` (> 0) from the next step on."""
+        if not speed > 0:
+            raise ValueError("speed must be > 0")
+        self.speed = speed
 
     def freeze(self) -> None:
         """Stop stepping (fault injection): running requests get no more tokens and

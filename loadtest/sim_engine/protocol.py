@@ -203,8 +203,8 @@ def new_id(chat: bool) -> str:
 
 
 def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
-    """vLLM's ``UsageInfo``; ``cached`` (prompt tokens served from the prefix cache)
-    fills ``prompt_tokens_details`` as ``--enable-prompt-tokens-details`` does."""
+    """OpenAI usage; ``prompt_tokens_details.cached_tokens`` only when ``cached`` is
+    given (vLLM fills it with ``--enable-prompt-tokens-details``, else null)."""
     details = None if cached is None else {"cached_tokens": cached}
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
             "completion_tokens": completion, "prompt_tokens_details": details}
@@ -262,7 +262,7 @@ class ResponseShape:
     def full(self, texts: list[str], prompt: int, completion: int,
              extra: dict[str, Any] | None = None, cached: int | None = None) -> bytes:
         """The non-streaming body: one choice per text in ``texts``; ``extra`` adds
-        top-level fields (``kv_transfer_params``); ``cached``: see :func:`usage`."""
+        top-level fields (``kv_transfer_params``); ``cached`` as :func:`usage`."""
         choices: list[dict[str, Any]] = []
         for i, text in enumerate(texts):
             if self.chat:

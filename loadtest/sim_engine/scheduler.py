@@ -59,6 +59,8 @@ class SimRequest:
         num_prompt_tokens: prompt length, tokens (≥ 1).
         block_hashes: chained hashes of the prompt's full blocks (salted).
         max_tokens: output tokens to generate (≥ 1).
+        priority: vLLM's ``priority`` (lower is served earlier under the priority
+            policy).
         notify: called (synchronously) after each step that produced a token for
             this request or finished it; the HTTP handler sets an event here.
         token_ids, cache_salt: the prompt's tokens and salt (KV events report them).
@@ -76,6 +78,7 @@ class SimRequest:
     num_prompt_tokens: int
     block_hashes: list[int]
     max_tokens: int
+    priority: int = 0
     notify: Callable[[], None] = _noop
     token_ids: list[int] = field(default_factory=list)
     cache_salt: str | None = None
@@ -132,11 +135,18 @@ class Scheduler:
     Args:
         profile: limits (``max_num_seqs``, ``max_num_batched_tokens``) and geometry.
         kv: the block pool (``profile.num_blocks`` × ``profile.block_size``).
+        policy: ``fcfs`` (default) or ``priority`` (vLLM ``--scheduling-policy``:
+            waiting requests ordered by ``(priority, arrival)``; vLLM also preempts
+            a running lower-priority request for a waiting higher-priority one, which
+            the simulator does not model).
     """
 
-    def __init__(self, profile: Profile, kv: KVCache) -> None:
+    def __init__(self, profile: Profile, kv: KVCache, policy: str = "fcfs") -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r}")
         self.profile = profile
         self.kv = kv
+        self.policy = policy
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.counters = Counters()
@@ -146,9 +156,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, req: SimRequest) -> None:
-        """Queue a new request at the back of the waiting queue."""
+        """Queue a new request at the back of the waiting queue (under the priority
+        policy: behind every waiting request of the same or a more urgent priority)."""
         req.status = Status.WAITING
-        self.waiting.append(req)
+        if self.policy == "priority":
+            at = next((i for i, w in enumerate(self.waiting) if w.priority > req.priority),
+                      len(self.waiting))
+            self.waiting.insert(at, req)
+        else:
+            self.waiting.append(req)
 
     def abort(self, req: SimRequest) -> None:
         """Remove ``req`` wherever it is and free its blocks at once (idempotent)."""

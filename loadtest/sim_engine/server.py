@@ -1,7 +1,9 @@
 """HTTP front of the simulated engine: vLLM's OpenAI-compatible routes over aiohttp.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not),
-``GET /health``, ``GET /v1/models``, ``GET /metrics``. A client that disconnects
+``GET /health``, ``GET /v1/models``, ``GET /metrics``, and the simulator's own
+``GET``/``POST /sim/speed`` (read or change the speed factor at run time: body
+``{"speed": 0.5}``; 400 unless it is a positive number). A client that disconnects
 aborts its request at once (the app must be served with
 ``handler_cancellation=True``, as :func:`serve` does): it stops counting as running
 and its KV blocks are freed, as vLLM aborts requests whose connection closed.
@@ -19,7 +21,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -68,6 +70,8 @@ def create_app(engine: SimEngine, connector: SimConnector | None = None) -> web.
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/sim/speed", _speed)
+    app.router.add_post("/sim/speed", _speed)
     app.cleanup_ctx.append(_engine_loop)
     return app
 
@@ -140,17 +144,24 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if params is not None and not isinstance(params, dict):
             raise RequestError("kv_transfer_params must be an object",
                                param="kv_transfer_params")
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestError("priority must be an integer", param="priority")
+        if priority != 0 and engine.scheduler.policy != "priority":
+            # vllm/v1/engine/processor.py (process_inputs)
+            raise RequestError(f"Got priority {priority} but Priority scheduling is "
+                               "not enabled.", param="priority")
     except RequestError as exc:
         return _error(exc)
     connector = request.app.get(CONNECTOR)
     shape = ResponseShape(chat, engine.model_name, request.headers.get("X-Request-Id"))
     wake = asyncio.Event()
     reqs = [SimRequest(engine_request_id(shape.id if parsed.n == 1 else f"{shape.id}-{i}"),
-                       n_prompt, hashes, max_tokens, notify=wake.set,
+                       n_prompt, hashes, max_tokens, priority=priority, notify=wake.set,
                        token_ids=tokens if engine.publisher is not None else [],
-                       cache_salt=parsed.cache_salt) for i in range(parsed.n)]
-    cached = ((lambda: reqs[0].num_cached_tokens) if engine.prompt_tokens_details
-              else (lambda: None))
+                       cache_salt=parsed.cache_salt)
+            for i in range(parsed.n)]
+    engine.priorities.labels(str(priority)).inc()
     arrival = engine.clock.now()
     # the connector's legs are single-sequence requests (vLLM's proxy sends n = 1)
     legs = connector if connector is not None and parsed.n == 1 else None
@@ -166,7 +177,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         req.arrival_s = arrival  # TTFT counts the transfer, as vLLM's does
     try:
         if parsed.stream:
-            return await _stream(request, reqs, wake, shape, parsed.include_usage, cached)
+            return await _stream(request, reqs, wake, shape, parsed.include_usage,
+                                 engine.prompt_tokens_details)
         while not all(req.done for req in reqs):
             await wake.wait()
             wake.clear()
@@ -174,7 +186,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             "kv_transfer_params": None if legs is None else legs.hold(reqs[0])}
         return web.Response(body=shape.full([output_text(0, r.num_output_tokens) for r in reqs],
                                             n_prompt, sum(r.num_output_tokens for r in reqs),
-                                            extra, cached()),
+                                            extra, _cached(engine, reqs[0])),
                             content_type="application/json")
     finally:
         for req in reqs:
@@ -183,9 +195,15 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             legs.hold(reqs[0])  # a finished prefill's blocks wait for their read
 
 
+def _cached(engine: SimEngine, req: SimRequest) -> int | None:
+    """Cached prompt tokens for the usage (None unless the engine reports prompt
+    token details)."""
+    return req.num_cached_tokens if engine.prompt_tokens_details else None
+
+
 async def _stream(request: web.Request, reqs: list[SimRequest], wake: asyncio.Event,
                   shape: ResponseShape, include_usage: bool,
-                  cached: Callable[[], int | None]) -> web.StreamResponse:
+                  details: bool) -> web.StreamResponse:
     """Stream the ``n`` sequences of one request, each as choice ``index`` i."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache"})
@@ -210,11 +228,25 @@ async def _stream(request: web.Request, reqs: list[SimRequest], wake: asyncio.Ev
         if all(req.done for req in reqs):
             break
     if all(req.status is Status.FINISHED for req in reqs):
-        tail = (shape.usage_chunk(reqs[0].num_prompt_tokens, sum(sent), cached()) if include_usage
-                else b"")
+        cached = reqs[0].num_cached_tokens if details else None
+        tail = (shape.usage_chunk(reqs[0].num_prompt_tokens, sum(sent), cached)
+                if include_usage else b"")
         await resp.write(tail + SSE_DONE)
     await resp.write_eof()
     return resp
+
+
+async def _speed(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if request.method == "POST":
+        try:
+            speed = (await request.json()).get("speed")
+        except (ValueError, AttributeError):
+            speed = None
+        if isinstance(speed, bool) or not isinstance(speed, int | float) or not speed > 0:
+            return _error(RequestError("speed must be a positive number", param="speed"))
+        engine.set_speed(float(speed))
+    return web.json_response({"speed": engine.speed})
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -162,7 +162,8 @@ def expected_paths(feed: dict[str, Any]) -> set[str]:
     for e in feed["engines"]:
         paths += [["engines", e["id"], f] for f in
                   ("id", "model", "state", "kv_cache_usage", "running", "waiting", "in_flight",
-                   "restarts")]
+                   "restarts", "limit", "mode", "output_tokens_per_hour",
+                   "cost_per_1k_output_tokens")]
     paths += [["latency", k] for k in feed["latency"]]
     paths += [["cache", k] for k in ("lookups", "hits", "hit_rate")]
     n = len(feed["reloads"])
@@ -172,6 +173,7 @@ def expected_paths(feed: dict[str, Any]) -> set[str]:
             paths.append(["reloads", i, "error"])
     paths += [["series", "queue_depth", p, -1] for p in feed["series"]["queue_depth"]]
     paths += [["series", "admitted_rps", -1], ["series", "shed_rps", -1]]
+    paths += [["series", "engines", e, "limit", -1] for e in feed["series"]["engines"]]
     return {json.dumps(p) for p in paths}
 
 
@@ -190,6 +192,8 @@ def text_matches(path: list[Any], value: Any, text: str) -> bool:
         return True
     if path[-1] in ("hit_rate", "kv_cache_usage"):
         return text.endswith("%") and abs(_number(text) - value * 100) <= 0.05 + 1e-9
+    if path[-1] == "cost_per_1k_output_tokens":
+        return text == f"{value:.4f}"
     if path[0] == "latency" or path[1:2] in (["admitted_rps"], ["shed_rps"]):
         step = 0.1 if abs(value) < 10 else 1.0
         return abs(_number(text) - value) <= step / 2 + 1e-9
@@ -224,7 +228,11 @@ def contract_feed(now: float) -> dict[str, Any]:
                    "queue_depth": {"interactive": [w // 8 for w in wave], "standard": wave,
                                    "batch": [min(64, 2 * w) for w in wave]},
                    "admitted_rps": [12.5 + (i % 7) for i in range(300)],
-                   "shed_rps": [(w + 2) / 4 for w in wave]},
+                   "shed_rps": [(w + 2) / 4 for w in wave],
+                   "engines": {"vllm-0": {"limit": [12 + w // 10 for w in wave],
+                                          "in_flight": [min(57, w) for w in wave]},
+                               "vllm-1": {"limit": [None] * 100 + [3] * 200,
+                                          "in_flight": [2] * 300}}},
         "tenants": {
             "acme.prod": {"admitted": 1520,
                           "rejected": {"rate_limited:requests_per_min": 31, "shed": 7}},
@@ -235,17 +243,29 @@ def contract_feed(now: float) -> dict[str, Any]:
         },
         "engines": [
             {"id": "vllm-0", "model": "llama", "state": "ready", "kv_cache_usage": 0.934,
-             "running": 48, "waiting": 9, "in_flight": 57, "restarts": 0},
+             "running": 48, "waiting": 9, "in_flight": 57, "restarts": 0,
+             "limit": 15, "mode": "model", "output_tokens_per_hour": 412000.4,
+             "cost_per_1k_output_tokens": 0.00971},
             {"id": "vllm-1", "model": "llama", "state": "ready", "kv_cache_usage": 0.0625,
-             "running": 2, "waiting": 0, "in_flight": 2, "restarts": 1},
+             "running": 2, "waiting": 0, "in_flight": 2, "restarts": 1,
+             "limit": 3, "mode": "gradient", "output_tokens_per_hour": 0.0,
+             "cost_per_1k_output_tokens": None},
             {"id": "vllm-2", "model": "llama", "state": "restarting", "kv_cache_usage": None,
-             "running": 0, "waiting": 0, "in_flight": 0, "restarts": 3},
+             "running": 0, "waiting": 0, "in_flight": 0, "restarts": 3,
+             "limit": None, "mode": None, "output_tokens_per_hour": 0.0,
+             "cost_per_1k_output_tokens": None},
             {"id": "small-0", "model": "small", "state": "starting", "kv_cache_usage": 0.75,
-             "running": 0, "waiting": 0, "in_flight": 0, "restarts": 0},
+             "running": 0, "waiting": 0, "in_flight": 0, "restarts": 0,
+             "limit": None, "mode": None, "output_tokens_per_hour": 0.0,
+             "cost_per_1k_output_tokens": None},
             {"id": "small-1", "model": "small", "state": "unhealthy", "kv_cache_usage": 0.5,
-             "running": 1, "waiting": 4, "in_flight": 1, "restarts": 0},
+             "running": 1, "waiting": 4, "in_flight": 1, "restarts": 0,
+             "limit": None, "mode": None, "output_tokens_per_hour": 0.0,
+             "cost_per_1k_output_tokens": None},
             {"id": "old-0", "model": "small", "state": "draining", "kv_cache_usage": 0.1,
-             "running": 1, "waiting": 0, "in_flight": 1, "restarts": 0},
+             "running": 1, "waiting": 0, "in_flight": 1, "restarts": 0,
+             "limit": None, "mode": None, "output_tokens_per_hour": 0.0,
+             "cost_per_1k_output_tokens": None},
         ],
         "latency": {"ttft_p50_ms": 182.4, "ttft_p99_ms": 2410.0, "tpot_p50_ms": 7.25,
                     "tpot_p99_ms": None},
@@ -293,6 +313,9 @@ async def test_page_matches_contract_feed(browser, tmp_path: Path) -> None:
         assert await chart_points(w.page, "queue_chart") == {
             "interactive": 300, "standard": 300, "batch": 300}
         assert await chart_points(w.page, "rate_chart") == {"admitted": 300, "rejected": 300}
+        assert await chart_points(w.page, "limits_chart") == {
+            "vllm-0 limit": 300, "vllm-0 in flight": 300, "vllm-1 limit": 300,
+            "vllm-1 in flight": 300}
         # engine state colours and the KV bar level
         states = await w.page.eval_on_selector_all(
             "#engines tr", "rs => rs.map(r => [r.dataset.engine, "

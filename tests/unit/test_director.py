@@ -56,12 +56,14 @@ class FakeClient:
         self.completion = completion
         self.behaviour = behaviour
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.priorities: list[int | None] = []
         self.entered = asyncio.Event()
 
     async def send(self, engine: Engine, req: InferenceRequest, request: web.Request,
                    response_headers: Any, upstream_headers: Any = None,
-                   on_first_token: Any = None) -> ProxyResult:
+                   on_first_token: Any = None, priority: int | None = None) -> ProxyResult:
         self.calls.append((engine.id, dict(req.body)))
+        self.priorities.append(priority)
         self.entered.set()
         action = self.behaviour.get(engine.id)
         if isinstance(action, list):
@@ -341,3 +343,57 @@ async def test_client_cancelled_releases_everything() -> None:
     h.assert_nothing_held()
 
 
+
+
+async def test_band_forwarded_as_priority_only_to_priority_scheduling_engines() -> None:
+    h = Harness(config(engines=2), FakeClient())
+    h.pool.get("e0").priority_scheduling = True
+    seen: dict[str, set[int | None]] = {"e0": set(), "e1": set()}
+    sent = 0
+    while (len(seen["e0"]) < 2 or not seen["e1"]) and sent < 400:  # idle engines: random pick
+        for name, prio in (("chat", "interactive"), ("bulk", "batch")):
+            rec, _ = await h.run(chat(max_tokens=5, priority=-7),
+                                 TenantQuota(name=name, priority=prio))
+            assert rec.outcome is Outcome.OK
+            seen[rec.engine].add(h.client.priorities[-1])
+            sent += 1
+    assert seen == {"e0": {0, 2}, "e1": {None}}  # never to e1, never the client's
+    h.assert_nothing_held()
+
+
+async def test_a_request_whose_ttft_target_has_passed_is_shed_as_predicted_miss() -> None:
+    from limits.latency_model import LatencyPrior
+    clock = Clock()
+    h = Harness(config(engines=1), FakeClient(), clock)
+    lat = h.pool.get("e0").latency
+    assert lat is not None
+    # a trusted model: 50 ms + 1 ms per prefill token
+    lat.model.__init__(LatencyPrior(ttft_overhead_s=0.05, prefill_s_per_token=0.001,
+                                    rel_std=1e-6), min_samples=0)
+    lat.model.tpot_rel_error = 0.0
+    assert lat.model.confident
+    # time passes while the request is read: 0.99 s of the interactive 1 s target
+    clock.step = 0.33
+    rec, e = await h.run(chat(max_tokens=5), TenantQuota(name="chat", priority="interactive"))
+    assert isinstance(e, Rejected) and e.outcome is Outcome.OVERLOADED
+    assert e.reason == "predicted_miss" and e.retry_after_s >= 1
+    assert h.client.calls == []
+    clock.step = 0.0
+    rec, _ = await h.run(chat(max_tokens=5), TenantQuota(name="chat", priority="interactive"))
+    assert rec.outcome is Outcome.OK
+    h.assert_nothing_held()
+
+
+async def test_upstream_body_carries_the_band_never_the_clients_priority() -> None:
+    import aiohttp
+
+    from config.schema import Timeouts
+    from gateway.openai_api import parse_request
+    from gateway.proxy import EngineClient
+
+    async with aiohttp.ClientSession() as session:
+        client = EngineClient(session=session, timeouts=Timeouts(), max_event_bytes=1 << 20,
+                              clock=Clock())
+        req = parse_request("chat", chat(max_tokens=5, priority=-7))
+        assert "priority" not in json.loads(client._upstream_body(req, None))
+        assert json.loads(client._upstream_body(req, 2))["priority"] == 2

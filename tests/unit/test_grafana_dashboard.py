@@ -33,6 +33,9 @@ METRICS: dict[str, set[str]] = {
     "sluice_engine_breaker_open": {"engine", "model"},
     "sluice_engine_prefix_match_ratio": {"engine", "model"},
     "sluice_config_reloads_total": {"result"},
+    "sluice_engine_concurrency_limit": {"engine", "model"},
+    "sluice_engine_requests_in_flight": {"engine", "model"},
+    "sluice_predicted_ttft_error_bucket": {"model", "engine", "le"},
 }
 #: PromQL functions, aggregations and keywords the queries may use.
 PROMQL_WORDS = {

@@ -151,19 +151,22 @@ def test_hpa_scales_engines_on_queue_depth_served_by_the_adapter(manifests, slui
     assert hpa["apiVersion"] == "autoscaling/v2"
     ref = hpa["spec"]["scaleTargetRef"]
     assert ("Deployment", "sluice", ref["name"]) in manifests
-    [metric] = hpa["spec"]["metrics"]
-    assert metric["type"] == "External"
-    name = metric["external"]["metric"]["name"]
-    assert name == "sluice_queue_depth"
-    model = metric["external"]["metric"]["selector"]["matchLabels"]["model"]
-    assert model in sluice_config.engines.model_names()
-    # the adapter exposes exactly that external metric
+    metrics = {m["external"]["metric"]["name"]: m for m in hpa["spec"]["metrics"]}
+    assert set(metrics) == {"sluice_queue_depth", "sluice_capacity_desired_engines"}
+    # desired engines is a count of engines: an average of 1 per replica asks for it
+    assert metrics["sluice_capacity_desired_engines"]["external"]["target"] == {
+        "type": "AverageValue", "averageValue": "1"}
     cm = manifests[("ConfigMap", "monitoring", "prometheus-adapter")]
     rules = yaml.safe_load(cm["data"]["config.yaml"])
     external = {r["name"]["as"]: r for r in rules["externalRules"]}
-    assert name in external
-    assert external[name]["seriesQuery"].startswith(name + "{")
-    assert "namespace" in external[name]["resources"]["overrides"]
+    for name, metric in metrics.items():
+        assert metric["type"] == "External"
+        model = metric["external"]["metric"]["selector"]["matchLabels"]["model"]
+        assert model in sluice_config.engines.model_names()
+        # the adapter exposes exactly that external metric
+        assert name in external
+        assert external[name]["seriesQuery"].startswith(name + "{")
+        assert "namespace" in external[name]["resources"]["overrides"]
     # the Helm values carry the same rules
     values = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())
     assert values["rules"]["external"] == rules["externalRules"]

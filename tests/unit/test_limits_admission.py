@@ -241,3 +241,58 @@ def test_drain_rate_reads_a_busy_start_as_busy() -> None:
         d.add(i / 30)
     assert 25 < d.rate(1.0) < 35  # not 30 / tau = 3 per second
     assert d.rate(100.0) < 0.01  # and a stall still decays to 0
+
+
+async def test_earliest_deadline_first_within_a_tenant() -> None:
+    q, cap = make_queue(), Capacity(0)
+    t_long = q.ticket(quota(), 10, timeout_s=20)
+    t_short = q.ticket(quota(), 10, timeout_s=5)
+    t_mid = q.ticket(quota(), 10, timeout_s=10)
+    tasks = [start(q, cap, t) for t in (t_long, t_short, t_mid)]
+    await wait_for(lambda: len(q) == 3)
+    cap.slots = 3
+    q.kick()
+    await asyncio.gather(*tasks)
+    assert cap.placed == [t_short, t_mid, t_long]
+
+
+async def test_a_ticket_predicted_to_miss_is_shed_at_once_with_retry_after_from_drain() -> None:
+    clock = ManualClock()
+    q, cap = make_queue(clock), Capacity(0)
+    tasks = [start(q, cap, q.ticket(quota(), 10, timeout_s=100)) for _ in range(9)]
+    await wait_for(lambda: len(q) == 9)
+    for i in range(6):  # the backlog drains one ticket per second
+        clock.advance(1.0)
+        cap.slots = 1
+        q.kick()
+        await wait_for(lambda i=i: len(cap.placed) == i + 1)
+    assert len(q) == 3
+    assert q.predicted_wait_s("standard") == pytest.approx(4.0)  # (3 ahead + itself) / 1 s
+    with pytest.raises(Rejected) as shed:
+        await q.admit(q.ticket(quota(), 10, timeout_s=2), cap.place, cap.undo)
+    assert shed.value.outcome is Outcome.OVERLOADED and shed.value.reason == "predicted_miss"
+    assert shed.value.retry_after_s == 4  # the predicted drain of the backlog, not a constant
+    assert len(q) == 3  # it never joined the queue
+    fits = start(q, cap, q.ticket(quota(), 10, timeout_s=5))  # 4 s < 5 s: waits
+    await wait_for(lambda: len(q) == 4)
+    assert not fits.done()
+    q.close()
+    await asyncio.gather(*tasks, fits, return_exceptions=True)
+
+
+async def test_a_burst_at_low_load_is_not_shed_on_the_arrival_rate() -> None:
+    clock = ManualClock()
+    q, cap = make_queue(clock), Capacity(1)
+    for _ in range(10):  # one request every 10 s: the admission rate is 0.1/s
+        await q.admit(q.ticket(quota(), 10), cap.place, cap.undo)
+        cap.slots = 1
+        clock.advance(10)
+    cap.slots = 0
+    # a burst of 3 with 2 s deadlines: the admission rate would predict 30 s and shed
+    # them, but no backlog has been seen, so nothing is predicted from it
+    tasks = [start(q, cap, q.ticket(quota(), 10, timeout_s=2)) for _ in range(3)]
+    await wait_for(lambda: len(q) == 3)
+    assert not any(t.done() for t in tasks)
+    cap.slots = 3
+    q.kick()
+    assert len(await asyncio.gather(*tasks)) == 3

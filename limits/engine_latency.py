@@ -1,0 +1,328 @@
+"""SLO-driven admission per engine: the gateway's ledger of one engine's requests, its
+fitted :class:`~limits.latency_model.LatencyModel`, and the decision whether the engine
+may take one more request.
+
+The decision (:func:`decide`, pure): an engine takes a request when
+
+1. the predicted TTFT — the engine's uncached prefill tokens not yet computed plus
+   the request's own uncached tokens, at the sequences decoding there now — plus
+   ``z`` standard deviations fits the request's remaining TTFT budget (its band's
+   target less the time it already waited); a request whose TTFT̂ misses even with
+   no prefill queued ahead of it is held until an engine has none queued (it gets
+   the best service there is rather than never being admitted); and
+2. the predicted TPOT at one more request in flight — plus the room kept for more
+   urgent bands (below) — plus ``z`` σ, stays within the tightest TPOT target among
+   the requests already running there and the request's own; an engine with nothing
+   in flight always qualifies.
+
+Room for more urgent bands: by Little's law a band occupies on average ``λ × S``
+requests in service (its arrival rate times its mean time on an engine); a request
+of a less urgent band leaves room for the engine's share of that occupancy, plus a
+square-root margin for its fluctuation, that the urgent bands do not hold there yet
+(:meth:`BandDemand.urgent_reserve`). Under overload the urgent bands thus
+find a free place on arrival instead of waiting for a whole generation to end (the
+queue already serves them first), and at light load the reserve is what they use
+anyway. This replaces a configured ``interactive_reserve``.
+
+The concurrency limit this implies (:meth:`EngineLatency.limit`) is the knee: the
+largest batch whose TPOT̂ meets the tightest target. While the model is not trusted
+(:attr:`LatencyModel.confident`), the limit of a
+:class:`~limits.gradient.GradientLimiter` on normalised TPOT applies instead, and rule 2
+becomes ``in flight < limit``; :attr:`EngineLatency.mode` says which is active
+(``model`` or ``gradient``).
+
+Observations (:meth:`EngineLatency.sent`, :meth:`~EngineLatency.first_token`,
+:meth:`~EngineLatency.finished`) come from the proxy: the send time, features at send
+time, the first streamed token, the usage (prompt and cached tokens) and the end. The
+batch a request decoded with is the time average of this engine's in-flight count
+between its first token and its end (an integral kept by the ledger); the prefill
+interference is the uncached tokens of other requests that reached their first
+token meanwhile, per decode step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from limits.drain_rate import DrainRate
+from limits.gradient import GradientLimiter
+from limits.interfaces import Clock
+from limits.latency_model import LatencyModel, Prediction
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """:func:`decide`'s answer: ``admit``, the predictions it used (s) and, when
+    refused, ``reason`` (``ttft`` or ``tpot``)."""
+
+    admit: bool
+    ttft: Prediction
+    tpot: Prediction | None
+    reason: str | None = None
+
+
+def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens: int,
+           decoding: int, in_flight: int, ttft_budget_s: float, tpot_target_s: float,
+           tightest_running_tpot_s: float | None, z: float, limit: float | None = None,
+           reserve: float = 0.0) -> Verdict:
+    """Whether an engine takes a request (rules in the module docstring).
+
+    Args:
+        model: the engine's fitted model.
+        uncached_tokens: the request's prompt tokens the engine must compute.
+        pending_prefill_tokens: uncached tokens of requests on the engine that have
+            not had their first token.
+        decoding: requests on the engine past their first token.
+        in_flight: all requests on the engine.
+        ttft_budget_s: the request's TTFT target less the time it already waited, s.
+        tpot_target_s: the request's TPOT target, s.
+        tightest_running_tpot_s: smallest TPOT target among requests in flight there,
+            s (None when none).
+        z: standard deviations added to predictions (conservatism).
+        limit: when given, the fallback concurrency limit replaces the TPOT rule.
+        reserve: requests of more urgent bands expected on this engine that are not
+            there yet (:class:`BandDemand`); the TPOT rule keeps room for them on top
+            of this request.
+    """
+    ttft = model.predict_ttft(pending_prefill_tokens + uncached_tokens, decoding)
+    alone = model.predict_ttft(uncached_tokens, decoding)  # no prefill queued ahead
+    if ttft.upper(z) > max(ttft_budget_s, alone.upper(z)):
+        return Verdict(False, ttft, None, "ttft")
+    if in_flight == 0:
+        return Verdict(True, ttft, None)
+    if limit is not None:
+        ok = in_flight + reserve < math.floor(limit)
+        return Verdict(ok, ttft, None, None if ok else "tpot")
+    target = min(tpot_target_s, tightest_running_tpot_s or math.inf)
+    tpot = model.predict_tpot(in_flight + 1 + reserve)
+    ok = tpot.upper(z) <= target
+    return Verdict(ok, ttft, tpot, None if ok else "tpot")
+
+
+class BandDemand:
+    """Expected requests in service per priority band, from Little's law
+    (``L = λ × S``; Little, Operations Research 1961): ``λ`` an EWMA arrival rate
+    (:class:`~limits.drain_rate.DrainRate`) and ``S`` an EWMA of the time a request
+    of the band holds an engine.
+
+    Args:
+        clock: monotonic time, s.
+        bands: band names, most urgent first.
+        tau_s: time constant of the arrival rates, s (default 10).
+        alpha: EWMA weight of a new service time (default 0.1).
+        beta: the square-root staffing margin of :meth:`urgent_reserve` (default 1).
+    """
+
+    def __init__(self, clock: Clock, bands: Sequence[str], *, tau_s: float = 10.0,
+                 alpha: float = 0.1, beta: float = 1.0) -> None:
+        self.beta = beta
+        self.clock = clock
+        self.bands = list(bands)
+        self._rate = {b: DrainRate(tau_s) for b in self.bands}
+        self._service = dict.fromkeys(self.bands, 0.0)
+        self._alpha = alpha
+
+    def arrived(self, band: str) -> None:
+        """A request of ``band`` arrived (whatever becomes of it)."""
+        self._rate[band].add(self.clock.now())
+
+    def served(self, band: str, seconds: float) -> None:
+        """A request of ``band`` held an engine for ``seconds``."""
+        s = self._service[band]
+        self._service[band] = seconds if s == 0 else s + self._alpha * (seconds - s)
+
+    def rate(self, band: str) -> float:
+        """Arrivals of ``band`` per second."""
+        return self._rate[band].rate(self.clock.now())
+
+    def occupancy(self, band: str) -> float:
+        """``λ × S`` of ``band``: requests of it in service on average."""
+        return self._rate[band].rate(self.clock.now()) * self._service[band]
+
+    def urgent_occupancy(self, band: str) -> float:
+        """Summed occupancy of the bands more urgent than ``band``."""
+        return sum(self.occupancy(b) for b in self.bands[:self.bands.index(band)])
+
+    def urgent_reserve(self, band: str) -> float:
+        """Places to keep for the bands more urgent than ``band``, fleet-wide: their
+        occupancy ``R`` plus ``beta × √R`` for its Poisson fluctuation — the
+        square-root staffing rule (Halfin & Whitt, Operations Research 1981), under
+        which an arriving urgent request rarely finds every place taken (β = 1: about
+        one in five waits, briefly, in the many-server limit)."""
+        r = self.urgent_occupancy(band)
+        return r + self.beta * math.sqrt(r)
+
+
+@dataclass(eq=False)
+class Flight:
+    """One request on the engine (the ledger's handle).
+
+    Attributes:
+        uncached_tokens: prompt tokens estimated not to hit the prefix cache.
+        prompt_tokens: prompt tokens (the tokenizer's count).
+        band: index of its priority band (0 most urgent).
+        tpot_target_s: its band's TPOT target, s.
+        sent_at: clock time it was sent, s.
+        ahead_tokens / decoding_at_send: TTFT features at send time.
+        predicted_ttft_s: TTFT̂ at send time, s.
+        first_at: clock time of its first token, s (None before).
+        integral_at_first / prefilled_at_first: ledger counters at ``first_at``.
+    """
+
+    uncached_tokens: int
+    prompt_tokens: int
+    band: int
+    tpot_target_s: float
+    sent_at: float
+    ahead_tokens: int
+    decoding_at_send: int
+    predicted_ttft_s: float
+    first_at: float | None = None
+    integral_at_first: float = 0.0
+    prefilled_at_first: float = 0.0
+
+
+class EngineLatency:
+    """One engine's ledger, model and fallback limiter.
+
+    Args:
+        model: the engine's latency model.
+        clock: monotonic time, s.
+        z: conservatism of decisions, standard deviations (default 1).
+        gradient: the fallback limiter (default :class:`GradientLimiter` ()).
+    """
+
+    def __init__(self, model: LatencyModel, clock: Clock, *, z: float = 1.0,
+                 gradient: GradientLimiter | None = None) -> None:
+        self.model = model
+        self.clock = clock
+        self.z = z
+        self.gradient = gradient or GradientLimiter()
+        self.flights: set[Flight] = set()
+        self.pending_prefill_tokens = 0
+        self.decoding = 0
+        self._integral = 0.0  # ∫ in-flight dt, request·s
+        self._integral_at = clock.now()
+        self._prefilled = 0.0  # uncached tokens of requests past their first token
+        #: relative TTFT prediction errors |TTFT̂ − TTFT| / TTFT of finished requests
+        #: not yet collected by :meth:`drain_errors`
+        self.ttft_errors: list[float] = []
+
+    @property
+    def mode(self) -> str:
+        """``model`` when the fitted model drives admission, else ``gradient``."""
+        return "model" if self.model.confident else "gradient"
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.flights)
+
+    def tightest_tpot_s(self) -> float | None:
+        """Smallest TPOT target among the requests in flight, s, or None."""
+        return min((f.tpot_target_s for f in self.flights), default=None)
+
+    def limit(self, tpot_target_s: float) -> int:
+        """The concurrency limit now: the model's knee for the tightest of
+        ``tpot_target_s`` and the running targets, or the gradient limiter's."""
+        if self.mode == "gradient":
+            return max(1, math.floor(self.gradient.limit))
+        target = min(tpot_target_s, self.tightest_tpot_s() or math.inf)
+        return self.model.knee(target, self.z)
+
+    def predict_ttft(self, uncached_tokens: int) -> Prediction:
+        """TTFT̂ of a request of ``uncached_tokens`` sent now, s."""
+        return self.model.predict_ttft(self.pending_prefill_tokens + uncached_tokens,
+                                       self.decoding)
+
+    def urgent_in_flight(self, band: int) -> int:
+        """Requests in flight of bands more urgent than ``band``."""
+        return sum(1 for f in self.flights if f.band < band)
+
+    def decide(self, uncached_tokens: int, ttft_budget_s: float, tpot_target_s: float,
+               reported_load: int = 0, reserve: float = 0.0) -> Verdict:
+        """:func:`decide` for this engine's state; ``reported_load`` (the engine's own
+        running + waiting count, which includes other gateway processes' requests)
+        replaces the ledger's in-flight count when larger; ``reserve`` as there."""
+        return decide(self.model, uncached_tokens=uncached_tokens,
+                      pending_prefill_tokens=self.pending_prefill_tokens,
+                      decoding=self.decoding, in_flight=max(self.in_flight, reported_load),
+                      ttft_budget_s=ttft_budget_s, tpot_target_s=tpot_target_s,
+                      tightest_running_tpot_s=self.tightest_tpot_s(), z=self.z,
+                      limit=None if self.model.confident else self.gradient.limit,
+                      reserve=reserve)
+
+    # ------------------------------------------------------------------ the ledger
+
+    def _advance(self, now: float) -> None:
+        self._integral += len(self.flights) * max(0.0, now - self._integral_at)
+        self._integral_at = now
+
+    def sent(self, uncached_tokens: int, prompt_tokens: int, tpot_target_s: float,
+             band: int = 0) -> Flight:
+        """A request of priority ``band`` was placed on the engine; returns its
+        handle."""
+        now = self.clock.now()
+        self._advance(now)
+        uncached_tokens = max(0, uncached_tokens)
+        ahead = self.pending_prefill_tokens + uncached_tokens
+        flight = Flight(uncached_tokens, prompt_tokens, band, tpot_target_s, now, ahead,
+                        self.decoding,
+                        self.model.predict_ttft(ahead, self.decoding).mean)
+        self.flights.add(flight)
+        self.pending_prefill_tokens += uncached_tokens
+        return flight
+
+    def first_token(self, flight: Flight) -> None:
+        """``flight`` streamed its first token now."""
+        if flight.first_at is not None or flight not in self.flights:
+            return
+        now = self.clock.now()
+        self._advance(now)
+        flight.first_at = now
+        self.pending_prefill_tokens -= flight.uncached_tokens
+        self.decoding += 1
+        self._prefilled += flight.uncached_tokens
+        flight.integral_at_first = self._integral
+        flight.prefilled_at_first = self._prefilled
+
+    def finished(self, flight: Flight, *, completion_tokens: int = 0,
+                 prompt_tokens: int | None = None, cached_tokens: int | None = None,
+                 ok: bool = True) -> None:
+        """``flight`` ended now (also on error or abort: then ``ok`` is False and
+        nothing is learned). ``prompt_tokens`` and ``cached_tokens``: the engine's
+        usage (``usage.prompt_tokens_details.cached_tokens``) when it reports them."""
+        if flight not in self.flights:
+            return
+        now = self.clock.now()
+        self._advance(now)
+        self.flights.discard(flight)
+        if flight.first_at is None:
+            self.pending_prefill_tokens -= flight.uncached_tokens
+        else:
+            self.decoding -= 1
+        if not ok or flight.first_at is None:
+            return
+        ttft = flight.first_at - flight.sent_at
+        ahead = flight.ahead_tokens
+        if cached_tokens is not None:  # the engine's count replaces the estimate
+            prompt = prompt_tokens or flight.prompt_tokens
+            ahead += max(0, prompt - cached_tokens) - flight.uncached_tokens
+        if ttft > 0:
+            self.ttft_errors.append(abs(flight.predicted_ttft_s - ttft) / ttft)
+        self.model.observe_ttft(ttft, ahead, flight.decoding_at_send)
+        steps = completion_tokens - 1
+        span = now - flight.first_at
+        if steps < 1 or span <= 0:
+            return
+        tpot = span / steps
+        mean_batch = (self._integral - flight.integral_at_first) / span
+        prefill_per_step = (self._prefilled - flight.prefilled_at_first) / steps
+        self.model.observe_tpot(tpot, mean_batch, prefill_per_step)
+        self.gradient.observe(tpot, flight.tpot_target_s, self.in_flight + 1)
+
+    def drain_errors(self) -> list[float]:
+        """The TTFT relative errors recorded since the last call."""
+        out, self.ttft_errors = self.ttft_errors, []
+        return out

@@ -1,0 +1,46 @@
+"""Fallback concurrency limit from normalised delay: a Gradient2-style controller.
+
+While an engine's latency model is not yet trusted (few samples, or its predictions
+drifted), its concurrency limit comes from this controller instead. It reads the
+*normalised* delay ``TPOT / TPOT target`` of each finished request — not the raw
+request latency, which varies a thousandfold with prompt and output length — and
+moves the limit as Netflix's Gradient2 limiter does (``concurrency-limits``,
+``Gradient2Limit.java``): ``gradient = clamp(tolerance / delay, 0.5, 1)``,
+``new = limit × gradient + queue_size``, ``limit ← (1 − smoothing) × limit +
+smoothing × new``. With the SLO target in place of Gradient2's long-term RTT the
+controller settles where ``delay ≈ tolerance × (1 − queue_size / limit)⁻¹``, just
+under the target for the defaults (``tolerance`` 0.9, ``queue_size`` 1). As in
+Gradient2, the limit does not grow while fewer than half of it is in use (an idle
+engine says nothing about its knee).
+"""
+
+from __future__ import annotations
+
+
+class GradientLimiter:
+    """Args:
+        initial: starting limit, requests (default 4).
+        min_limit / max_limit: bounds, requests (default 1 and 256).
+        tolerance: normalised delay aimed at (0–1, default 0.9).
+        smoothing: weight of each new estimate (0–1, default 0.2).
+        queue_size: growth allowance per sample, requests (default 1).
+    """
+
+    def __init__(self, initial: float = 4.0, min_limit: float = 1.0, max_limit: float = 256.0,
+                 tolerance: float = 0.9, smoothing: float = 0.2, queue_size: float = 1.0) -> None:
+        self.limit = float(initial)
+        self.min_limit, self.max_limit = min_limit, max_limit
+        self.tolerance, self.smoothing, self.queue_size = tolerance, smoothing, queue_size
+
+    def observe(self, tpot_s: float, target_s: float, in_flight: int) -> float:
+        """One finished request: its mean TPOT and TPOT target (s), and the requests
+        in flight on the engine when it ended. Returns the new limit."""
+        if not (tpot_s > 0 and target_s > 0):
+            return self.limit
+        gradient = min(1.0, max(0.5, self.tolerance * target_s / tpot_s))
+        if gradient >= 1.0 and in_flight < self.limit / 2:
+            return self.limit  # app-limited: no evidence for a larger limit
+        new = self.limit * gradient + self.queue_size
+        self.limit = min(self.max_limit, max(self.min_limit,
+                                             (1 - self.smoothing) * self.limit + self.smoothing * new))
+        return self.limit

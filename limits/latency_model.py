@@ -1,0 +1,224 @@
+"""A per-engine latency model fitted online: prefill cost (TTFT) and decode step time
+(TPOT) as linear functions of the engine's load, with uncertainty.
+
+Model (the cost structure of a continuous-batching iteration: a fixed part plus parts
+linear in the prefill tokens and the decoding sequences of the step; Sarathi-Serve,
+Agrawal et al., OSDI 2024, §3, and the iteration-level batching of Orca, Yu et al.,
+OSDI 2022)::
+
+    TTFT = a0 + a1 × (uncached prefill tokens ahead of and including the request)
+              + a2 × (sequences decoding when it was sent)
+    TPOT = b0 + b1 × (mean requests in flight while it decoded)
+              + b2 × (uncached prefill tokens the engine took per decode step meanwhile)
+
+``a0`` is seconds of overhead, ``a1`` seconds per prefill token, ``a2`` seconds per
+decoding sequence (the steps a new request shares with them); ``b0`` is the fixed
+step time, ``b1`` seconds per sequence in the batch, ``b2`` the prefill cost that
+chunked/mixed batching adds to every running sequence's step.
+
+Each is fitted by recursive least squares with exponential forgetting (Ljung &
+Söderström, "Theory and Practice of Recursive Identification", MIT Press 1983,
+ch. 2): gain ``K = P x / (1 + xᵀ P x)``, ``θ ← θ + K e``, ``P ← (P − K xᵀ P) / λ``, with
+the noise variance ``σ²`` estimated from the residuals, so ``σ² (1 + xᵀ P x)`` is the
+predictive variance the admission uses (mean + ``z`` standard deviations).
+Robustness: samples that are not finite or not positive are ignored; the innovation
+is clipped at ``huber_k`` predictive standard deviations (Huber's M-estimator applied
+recursively); ``P``'s diagonal is capped at the prior's (forgetting without
+excitation cannot wind it up); parameters are kept ≥ 0 (a latency never falls with
+load).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class RecursiveLeastSquares:
+    """``y ≈ θ·x`` fitted one sample at a time (see the module docstring).
+
+    Classical exponentially weighted RLS: ``P`` is the inverse of the weighted
+    information matrix ``Σ λ^(n−i) x_i x_iᵀ`` (dimensionless), so the gain does not
+    depend on the noise level and a change is tracked within about ``1 / (1 − λ)``
+    samples; the noise variance ``σ²`` is estimated separately from the residuals and
+    the parameters' covariance is ``σ² P``.
+
+    Args:
+        prior: initial θ.
+        prior_std: standard deviation of each prior parameter (> 0); it also caps the
+            parameters' standard deviation.
+        noise_std: initial observation noise σ, in y's unit (> 0).
+        forgetting: λ in (0, 1]; samples older by n updates weigh λⁿ (effective
+            memory ``1 / (1 − λ)`` samples).
+        huber_k: innovations are clipped at this many predictive standard deviations.
+        noise_alpha: EWMA weight of a new squared residual in σ² (0–1).
+    """
+
+    def __init__(self, prior: Sequence[float], prior_std: Sequence[float], noise_std: float,
+                 forgetting: float = 0.97, huber_k: float = 3.0, noise_alpha: float = 0.1) -> None:
+        if not 0 < forgetting <= 1:
+            raise ValueError("forgetting must be in (0, 1]")
+        if len(prior) != len(prior_std) or min(prior_std) <= 0 or noise_std <= 0:
+            raise ValueError("prior and prior_std must have the same length, std > 0")
+        self.theta = np.array(prior, dtype=float)
+        self.noise_var = noise_std ** 2
+        self._p_max = np.square(np.array(prior_std, dtype=float)) / self.noise_var
+        self.P = np.diag(self._p_max)
+        self._noise_floor = (noise_std * 1e-3) ** 2
+        self.forgetting = forgetting
+        self.huber_k = huber_k
+        self.noise_alpha = noise_alpha
+        self.samples = 0
+
+    def predict(self, x: Sequence[float]) -> tuple[float, float]:
+        """(mean, standard deviation) of y at ``x``: ``θ·x`` and
+        ``σ sqrt(1 + xᵀ P x)``."""
+        v = np.asarray(x, dtype=float)
+        return float(self.theta @ v), math.sqrt(self.noise_var * (1 + max(float(v @ self.P @ v), 0.0)))
+
+    def update(self, x: Sequence[float], y: float) -> bool:
+        """Fit one sample; False (and nothing changes) when ``y`` or ``x`` is not
+        finite or ``y`` ≤ 0."""
+        v = np.asarray(x, dtype=float)
+        if not (math.isfinite(y) and y > 0 and np.all(np.isfinite(v))):
+            return False
+        px = self.P @ v
+        s = 1.0 + float(v @ px)
+        e = y - float(self.theta @ v)
+        bound = self.huber_k * math.sqrt(self.noise_var * s)
+        e_clipped = min(max(e, -bound), bound)
+        gain = px / s
+        self.theta = np.maximum(self.theta + gain * e_clipped, 0.0)
+        self.P = (self.P - np.outer(gain, px)) / self.forgetting
+        self.P = (self.P + self.P.T) / 2
+        d = np.diag(self.P)
+        over = d > self._p_max
+        if over.any():  # scale the offending rows/columns back to the prior's variance
+            f = np.ones_like(d)
+            f[over] = np.sqrt(self._p_max[over] / d[over])
+            self.P = self.P * np.outer(f, f)
+        # a priori residual over its expected spread: E[e²] = σ² s
+        self.noise_var = max(self._noise_floor, (1 - self.noise_alpha) * self.noise_var
+                             + self.noise_alpha * e_clipped ** 2 / s)
+        self.samples += 1
+        return True
+
+
+@dataclass(frozen=True)
+class LatencyPrior:
+    """Prior parameters of :class:`LatencyModel`, and how far each may be off (1 σ).
+
+    Attributes (seconds):
+        ttft_overhead_s: ``a0``.
+        prefill_s_per_token: ``a1``, s/token.
+        ttft_s_per_seq: ``a2``, s/sequence.
+        step_s: ``b0``, the fixed decode step time.
+        step_s_per_seq: ``b1``, s/sequence.
+        step_s_per_prefill_token: ``b2``, s/token.
+        rel_std: each prior's standard deviation as a fraction of it (default 1.0:
+            the prior is only an order of magnitude).
+    """
+
+    ttft_overhead_s: float = 0.05
+    prefill_s_per_token: float = 1e-3
+    ttft_s_per_seq: float = 5e-3
+    step_s: float = 0.03
+    step_s_per_seq: float = 3e-3
+    step_s_per_prefill_token: float = 1e-3
+    rel_std: float = 1.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted latency, s: ``mean`` and its standard deviation ``std``."""
+
+    mean: float
+    std: float
+
+    def upper(self, z: float) -> float:
+        """``mean + z × std``, s."""
+        return self.mean + z * self.std
+
+
+class LatencyModel:
+    """The TTFT and TPOT regressions of one engine.
+
+    Args:
+        prior: starting parameters.
+        forgetting: RLS forgetting factor λ per sample (default 0.97: about the last
+            33 requests weigh most, so a change of speed or workload is followed
+            within tens of requests).
+        min_samples: TPOT samples before :attr:`confident` can be true (default 20).
+        max_rel_error: :attr:`confident` also needs the EWMA of the TPOT relative
+            prediction error below this (default 0.35).
+    """
+
+    def __init__(self, prior: LatencyPrior = LatencyPrior(), *, forgetting: float = 0.97,
+                 min_samples: int = 20, max_rel_error: float = 0.35) -> None:
+        r = prior.rel_std
+        a = (prior.ttft_overhead_s, prior.prefill_s_per_token, prior.ttft_s_per_seq)
+        b = (prior.step_s, prior.step_s_per_seq, prior.step_s_per_prefill_token)
+        self.ttft = RecursiveLeastSquares(a, [max(v * r, 1e-6) for v in a], a[0], forgetting)
+        self.tpot = RecursiveLeastSquares(b, [max(v * r, 1e-6) for v in b], b[0] / 2, forgetting)
+        self.min_samples = min_samples
+        self.max_rel_error = max_rel_error
+        #: EWMA of |TPOT̂ − TPOT| / TPOT over the last samples (before each update)
+        self.tpot_rel_error = 1.0
+        #: EWMA of the prefill tokens per decode step seen by finishing requests
+        self.prefill_per_step = 0.0
+
+    # ------------------------------------------------------------------ predictions
+
+    def predict_ttft(self, prefill_tokens: float, decoding: float) -> Prediction:
+        """TTFT of a request sent now, s: ``prefill_tokens`` uncached tokens ahead of
+        it and its own; ``decoding`` sequences generating on the engine."""
+        return Prediction(*self.ttft.predict((1.0, prefill_tokens, decoding)))
+
+    def predict_tpot(self, batch: float, prefill_per_step: float | None = None) -> Prediction:
+        """TPOT at ``batch`` requests in flight, s; prefill interference at
+        ``prefill_per_step`` tokens per step (default: the recent average)."""
+        p = self.prefill_per_step if prefill_per_step is None else prefill_per_step
+        return Prediction(*self.tpot.predict((1.0, batch, p)))
+
+    def knee(self, tpot_target_s: float, z: float = 0.0, *, cap: int = 1024) -> int:
+        """The largest batch ``b`` (≥ 1, ≤ ``cap``) whose TPOT̂ (+ ``z`` σ) meets
+        ``tpot_target_s``: the concurrency limit this model implies."""
+        lo, hi = 1, cap
+        while lo < hi:  # TPOT̂ is non-decreasing in the batch (θ ≥ 0)
+            mid = (lo + hi + 1) // 2
+            if self.predict_tpot(mid).upper(z) <= tpot_target_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @property
+    def confident(self) -> bool:
+        """Whether admission may use the model (else the gradient limiter)."""
+        return self.tpot.samples >= self.min_samples and self.tpot_rel_error <= self.max_rel_error
+
+    def params(self) -> dict[str, float]:
+        """The fitted parameters by name (s, s/token, s/sequence)."""
+        a, b = self.ttft.theta, self.tpot.theta
+        return {"ttft_overhead_s": a[0], "prefill_s_per_token": a[1], "ttft_s_per_seq": a[2],
+                "step_s": b[0], "step_s_per_seq": b[1], "step_s_per_prefill_token": b[2]}
+
+    # ------------------------------------------------------------------ observations
+
+    def observe_ttft(self, ttft_s: float, prefill_tokens: float, decoding: float) -> bool:
+        """One request's TTFT (s) with the features it was sent with."""
+        return self.ttft.update((1.0, prefill_tokens, decoding), ttft_s)
+
+    def observe_tpot(self, tpot_s: float, mean_batch: float, prefill_per_step: float) -> bool:
+        """One request's mean TPOT (s) over its decode, the mean requests in flight
+        and the prefill tokens per decode step during it."""
+        if not (math.isfinite(tpot_s) and tpot_s > 0):
+            return False
+        predicted = self.predict_tpot(mean_batch, prefill_per_step).mean
+        self.tpot_rel_error += 0.1 * (min(abs(predicted - tpot_s) / tpot_s, 2.0)
+                                      - self.tpot_rel_error)
+        self.prefill_per_step += 0.1 * (prefill_per_step - self.prefill_per_step)
+        return self.tpot.update((1.0, mean_batch, prefill_per_step), tpot_s)

@@ -1,0 +1,275 @@
+"""The online latency model (limits.latency_model), the fallback limiter
+(limits.gradient) and the per-engine admission decision (limits.engine_latency)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+import config.schema  # noqa: F401 - first: engines.interfaces alone hits an import cycle
+from limits.engine_latency import EngineLatency, decide
+from limits.gradient import GradientLimiter
+from limits.latency_model import LatencyModel, LatencyPrior, RecursiveLeastSquares
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def now(self) -> float:
+        return self.t
+
+
+def feed(model: LatencyModel, rng: random.Random, n: int, *, step: float, per_seq: float,
+         per_prefill: float, overhead: float, per_token: float, noise: float = 0.03) -> None:
+    """Samples of the sim engine's cost structure with multiplicative noise."""
+    for _ in range(n):
+        batch = rng.uniform(1, 24)
+        pps = rng.uniform(0, 40)
+        tpot = (step + per_seq * batch + per_prefill * pps) * rng.gauss(1, noise)
+        model.observe_tpot(tpot, batch, pps)
+        ahead = rng.uniform(10, 2000)
+        dec = rng.randint(0, 20)
+        ttft = (overhead + per_token * ahead + per_seq * dec) * rng.gauss(1, noise)
+        model.observe_ttft(ttft, ahead, dec)
+
+
+TRUE = dict(step=0.044, per_seq=0.004, per_prefill=0.00119, overhead=0.066, per_token=0.00119)
+
+
+def test_converges_on_synthetic_data_with_known_parameters() -> None:
+    model = LatencyModel(forgetting=0.99)
+    feed(model, random.Random(1), 400, **TRUE)
+    p = model.params()
+    assert p["step_s"] == pytest.approx(0.044, rel=0.15)
+    assert p["step_s_per_seq"] == pytest.approx(0.004, rel=0.15)
+    assert p["step_s_per_prefill_token"] == pytest.approx(0.00119, rel=0.15)
+    assert p["ttft_overhead_s"] == pytest.approx(0.066, rel=0.25)
+    assert p["prefill_s_per_token"] == pytest.approx(0.00119, rel=0.1)
+    assert model.confident
+    # the knee at 100 ms with no prefill interference: 44 + 4 b <= 100 -> b = 14
+    model.prefill_per_step = 0.0
+    assert model.knee(0.100) in (13, 14, 15)
+    assert model.predict_tpot(14, 0.0).mean == pytest.approx(0.044 + 14 * 0.004, rel=0.05)
+
+
+def test_forgets_after_a_change_of_speed() -> None:
+    model = LatencyModel()
+    rng = random.Random(2)
+    feed(model, rng, 200, **TRUE)
+    model.prefill_per_step = 0.0
+    knee_before = model.knee(0.15)  # 44 + 4 b <= 150 -> 26
+    before = model.predict_tpot(10, 0.0).mean
+    slow = {k: v * 2 for k, v in TRUE.items()}  # the engine at half speed
+    feed(model, rng, 150, **slow)
+    after = model.predict_tpot(10, 0.0).mean
+    assert after == pytest.approx(2 * before, rel=0.1)
+    model.prefill_per_step = 0.0
+    assert knee_before in (25, 26, 27)
+    assert model.knee(0.15) in (7, 8, 9)  # 88 + 8 b <= 150 -> 7.75
+
+
+def test_bounded_under_outliers_zero_and_negative_samples() -> None:
+    model = LatencyModel(forgetting=0.99)
+    rng = random.Random(3)
+    feed(model, rng, 200, **TRUE)
+    good = model.params()
+    for _ in range(30):
+        # a few absurd samples (a stalled engine, a clock jump), zeros, negatives, NaN
+        assert model.observe_tpot(50.0, 5, 0) is True
+        assert model.observe_tpot(0.0, 5, 0) is False
+        assert model.observe_tpot(-1.0, 5, 0) is False
+        assert model.observe_ttft(float("nan"), 5, 0) is False
+        assert model.observe_ttft(1.0, float("inf"), 0) is False
+        feed(model, rng, 5, **TRUE)
+    p = model.params()
+    assert all(math.isfinite(v) and v >= 0 for v in p.values())
+    assert p["step_s_per_seq"] == pytest.approx(good["step_s_per_seq"], rel=0.5)
+    assert model.predict_tpot(10, 0.0).mean < 0.2  # one outlier in six does not own the fit
+
+
+def test_covariance_does_not_wind_up_without_excitation() -> None:
+    rls = RecursiveLeastSquares([0.05, 0.001], [0.05, 0.001], 0.01, forgetting=0.9)
+    for _ in range(1000):  # the same point again and again: no information on slope
+        rls.update([1.0, 0.0], 0.05)
+    assert rls.P[1, 1] <= rls._p_max[1] * (1 + 1e-9)
+    assert rls.predict([1.0, 100.0])[1] < 1.0  # the slope's uncertainty stays the prior's
+    assert all(math.isfinite(v) for v in rls.P.ravel())
+
+
+def test_prior_is_used_until_samples_arrive_and_not_trusted() -> None:
+    prior = LatencyPrior(step_s=0.05, step_s_per_seq=0.005, step_s_per_prefill_token=0.0)
+    model = LatencyModel(prior)
+    assert model.predict_tpot(10, 0.0).mean == pytest.approx(0.1)
+    assert not model.confident
+    assert model.predict_tpot(10, 0.0).std > 0.05  # an order-of-magnitude prior
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def fitted(noise: float = 0.0) -> LatencyModel:
+    model = LatencyModel(forgetting=0.995)
+    feed(model, random.Random(4), 400, noise=noise, **TRUE)
+    model.prefill_per_step = 0.0
+    return model
+
+
+def test_decide_admits_below_the_knee_and_refuses_above() -> None:
+    model = fitted()
+    base = dict(uncached_tokens=100, pending_prefill_tokens=0, decoding=5, ttft_budget_s=1.0,
+                tpot_target_s=0.1, tightest_running_tpot_s=0.1, z=0.0)
+    assert decide(model, in_flight=5, **base).admit
+    v = decide(model, in_flight=14, **base)  # TPOT̂(15) = 44 + 60 = 104 ms > 100
+    assert not v.admit and v.reason == "tpot" and v.tpot.mean > 0.1
+    # a looser target for the request does not override a tighter running one
+    loose = {**base, "tpot_target_s": 0.5}
+    assert not decide(model, in_flight=14, **loose).admit
+    # and without the tight running request it fits
+    assert decide(model, in_flight=14, **{**loose, "tightest_running_tpot_s": 0.5}).admit
+
+
+def test_decide_refuses_when_queued_prefill_would_miss_the_ttft_budget() -> None:
+    model = fitted()
+    base = dict(uncached_tokens=200, decoding=2, in_flight=3, tpot_target_s=0.1,
+                tightest_running_tpot_s=0.1, z=0.0)
+    assert decide(model, pending_prefill_tokens=0, ttft_budget_s=1.0, **base).admit
+    v = decide(model, pending_prefill_tokens=1000, ttft_budget_s=1.0, **base)
+    assert not v.admit and v.reason == "ttft" and v.ttft.mean > 1.0
+    # a budget already spent waiting: 0.1 s left is not enough behind 100 tokens
+    assert not decide(model, pending_prefill_tokens=100, ttft_budget_s=0.1, **base).admit
+
+
+def test_decide_a_request_too_long_for_its_target_waits_for_no_prefill_ahead() -> None:
+    model = fitted()
+    base = dict(uncached_tokens=1500, decoding=1, in_flight=2, tpot_target_s=0.1,
+                tightest_running_tpot_s=0.1, ttft_budget_s=1.0, z=0.0)
+    assert decide(model, pending_prefill_tokens=0, **base).admit
+    assert not decide(model, pending_prefill_tokens=50, **base).admit
+
+
+def test_decide_uncertainty_makes_it_conservative() -> None:
+    model = fitted(noise=0.05)
+    base = dict(uncached_tokens=100, pending_prefill_tokens=0, decoding=5, ttft_budget_s=1.0,
+                tpot_target_s=0.1, tightest_running_tpot_s=None)
+    assert decide(model, in_flight=12, z=0.0, **base).admit  # TPOT̂(13) ≈ 96 ms
+    v = decide(model, in_flight=12, z=2.0, **base)
+    assert not v.admit and v.tpot.mean < 0.1 < v.tpot.upper(2.0)
+
+
+def test_decide_empty_engine_always_takes_and_fallback_limit_applies() -> None:
+    model = LatencyModel()
+    base = dict(uncached_tokens=10, pending_prefill_tokens=0, decoding=0, ttft_budget_s=1.0,
+                tpot_target_s=0.001, tightest_running_tpot_s=None, z=0.0)
+    assert decide(model, in_flight=0, **base).admit
+    assert decide(model, in_flight=3, limit=4.0, **base).admit
+    assert not decide(model, in_flight=4, limit=4.0, **base).admit
+
+
+# ----------------------------------------------------------------------------- gradient
+
+
+def test_gradient_limiter_settles_near_the_knee() -> None:
+    g = GradientLimiter(initial=2)
+    for _ in range(400):  # TPOT = 44 + 4 × limit ms; target 100 ms -> knee 14
+        tpot = 0.044 + 0.004 * g.limit
+        g.observe(tpot, 0.1, int(g.limit))
+    assert 10 <= g.limit <= 15
+    assert 0.044 + 0.004 * g.limit <= 0.1
+
+
+def test_gradient_limiter_does_not_grow_when_app_limited() -> None:
+    g = GradientLimiter(initial=8)
+    for _ in range(100):
+        g.observe(0.01, 0.1, 1)
+    assert g.limit == 8
+
+
+# ----------------------------------------------------------------------------- ledger
+
+
+def test_ledger_learns_batch_and_prefill_from_flights() -> None:
+    clock = FakeClock()
+    eng = EngineLatency(LatencyModel(), clock)
+    a = eng.sent(100, 100, 0.1)
+    b = eng.sent(50, 60, 0.1)
+    assert eng.pending_prefill_tokens == 150 and eng.in_flight == 2
+    clock.t += 0.2
+    eng.first_token(a)
+    assert eng.pending_prefill_tokens == 50 and eng.decoding == 1
+    clock.t += 0.1
+    eng.first_token(b)
+    clock.t += 1.0
+    eng.finished(a, completion_tokens=11, cached_tokens=0)
+    assert eng.in_flight == 1 and eng.decoding == 1
+    assert eng.model.tpot.samples == 1 and eng.model.ttft.samples == 1
+    # a decoded 1.1 s with 2 in flight throughout; b's 50 tokens prefilled meanwhile
+    assert eng.model.prefill_per_step == pytest.approx(0.1 * 50 / 10)
+    eng.finished(b, ok=False)
+    assert eng.in_flight == 0 and eng.decoding == 0 and eng.pending_prefill_tokens == 0
+    assert len(eng.drain_errors()) == 1 and eng.drain_errors() == []
+
+
+# ----------------------------------------------------------------------------- scorer
+
+
+def test_predicted_ttft_scorer_weighs_cached_tokens_against_queued_prefill() -> None:
+    from engines.plugins import SCORERS, PredictedTtft
+    from engines.pool import Engine
+    from engines.scheduler import SchedRequest
+
+    assert SCORERS["predicted-ttft"] is PredictedTtft
+    clock = FakeClock()
+    engines = []
+    for name in ("a", "b", "c"):
+        e = Engine(id=name, model="m", base_url=f"http://{name}")
+        e.latency = EngineLatency(fitted(), clock)
+        engines.append(e)
+    engines[1].latency.sent(800, 800, 0.1)  # b has 800 prefill tokens queued
+    # a 400-token prompt (4 blocks of 100); c holds 3 of its blocks in its prefix cache
+    req = SchedRequest(model="m", tenant="t", prompt_tokens=400, blocks=(1, 2, 3, 4),
+                       block_size=100, prefix_matches={"c": 3})
+    scores = PredictedTtft().score(req, engines, 0.0)
+    # TTFT̂: a 66 + 476 ms, b 66 + 1428 ms, c 66 + 119 ms
+    assert scores[2] == 1.0
+    assert scores[0] == pytest.approx((0.066 + 0.119) / (0.066 + 0.476), rel=0.05)
+    assert scores[1] == pytest.approx((0.066 + 0.119) / (0.066 + 1.428), rel=0.05)
+    plain = [Engine(id="x", model="m", base_url="http://x")]
+    assert PredictedTtft().score(req, plain, 0.0) == [1.0]
+
+
+def test_decide_keeps_room_for_more_urgent_bands() -> None:
+    model = fitted()
+    base = dict(uncached_tokens=100, pending_prefill_tokens=0, decoding=5, ttft_budget_s=1.0,
+                tpot_target_s=0.1, tightest_running_tpot_s=0.1, z=0.0, in_flight=8)
+    assert decide(model, **base).admit  # TPOT̂(9) = 80 ms
+    v = decide(model, reserve=6.0, **base)  # TPOT̂(15) = 104 ms
+    assert not v.admit and v.reason == "tpot"
+    assert not decide(model, limit=10.0, reserve=2.0, **base).admit
+    assert decide(model, limit=10.0, reserve=1.0, **base).admit
+
+
+def test_band_demand_is_arrival_rate_times_service_time() -> None:
+    from limits.engine_latency import BandDemand
+
+    clock = FakeClock()
+    d = BandDemand(clock, ("interactive", "standard", "batch"), tau_s=10.0)
+    for _ in range(200):  # 2 interactive and 1 standard request per second
+        clock.t += 0.5
+        d.arrived("interactive")
+        if int(clock.t * 2) % 2 == 0:
+            d.arrived("standard")
+        d.served("interactive", 4.0)
+        d.served("standard", 2.0)
+    assert d.occupancy("interactive") == pytest.approx(8.0, rel=0.1)
+    assert d.occupancy("standard") == pytest.approx(2.0, rel=0.1)
+    assert d.urgent_occupancy("interactive") == 0
+    assert d.urgent_occupancy("batch") == pytest.approx(10.0, rel=0.1)
+    assert d.urgent_reserve("batch") == pytest.approx(10.0 + 10.0 ** 0.5, rel=0.1)
+    assert d.urgent_reserve("interactive") == 0
+    eng = EngineLatency(LatencyModel(), clock)
+    eng.sent(10, 10, 0.1, band=0)
+    eng.sent(10, 10, 0.1, band=2)
+    assert eng.urgent_in_flight(2) == 1 and eng.urgent_in_flight(0) == 0
