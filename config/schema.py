@@ -554,7 +554,9 @@ class DisaggregationConfig(_Strict):
 class EnginesConfig(_Strict):
     engines: list[EngineSpec] = Field(default_factory=list)
     models: list[ModelConfig] = Field(default_factory=list)
-    scheduler: SchedulerConfig = SchedulerConfig()
+    # built per instance: the scheduler's default plugins are validated against the
+    # plugin registry in engines/, which must not be imported while this module loads
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     supervisor: SupervisorConfig = SupervisorConfig()
     saturation: SaturationConfig = SaturationConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
@@ -581,6 +583,6 @@ class Config(_Strict):
     """The whole configuration; ``paths`` records which files it came from."""
 
     gateway: GatewayConfig = GatewayConfig()
-    engines: EnginesConfig = EnginesConfig()
+    engines: EnginesConfig = Field(default_factory=EnginesConfig)  # see scheduler above
     tenants: TenantsConfig = TenantsConfig()
     paths: dict[str, str] = Field(default_factory=dict)

@@ -104,7 +104,7 @@ async def admin_capacity(request: web.Request) -> web.Response:
     if wanted is not None and wanted not in models:
         raise Rejected(Outcome.MODEL_NOT_FOUND, f"The model '{wanted}' is not served.",
                        param="model")
-    return web.json_response({"models": [director.capacity(m, rate)
+    return web.json_response({"models": [director.capacity.report(m, rate)
                                          for m in ([wanted] if wanted else models)]})
 
 
@@ -176,7 +176,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     metrics.registry.register(FleetCollector(
         pool=app[POOL], queues=app[QUEUES], metrics=metrics, store=app[STORE],
         limiter=app[LIMITER], tpot_target_s=tightest_tpot_s,
-        desired_engines=lambda m: app[DIRECTOR].desired_engines(m) if DIRECTOR in app else None))
+        desired_engines=lambda m: app[DIRECTOR].capacity.desired_engines(m) if DIRECTOR in app else None))
     app[OBSERVERS] = ([metrics.observe] if obs.metrics else []) + (
         [log_access] if obs.access_log else [])
     app[SPANS], app[TRACER_PROVIDER] = make_tracer(obs, span_exporter)

@@ -25,6 +25,7 @@ from config.schema import PRIORITIES, Config, DegradationConfig, TenantQuota
 from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, PromptInput, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
+from gateway.capacity import CapacityReport
 from gateway.disagg import Disaggregator, PrefillLeg
 from gateway.keys import RECORD, TENANT
 from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_request
@@ -121,6 +122,8 @@ class Director:
                              retry_after=lambda m: self.queues[m].retry_after_s())
         #: per model, the mix of finished requests (the capacity report)
         self.mix = {m: capacity.MixTracker() for m in queues}
+        self.capacity = CapacityReport(pool=pool, placer=self.placer, mix=self.mix,
+                                       slo=self.slo, adaptive=self.adaptive)
         #: each served model's degradation ladder (model_settings builds a pydantic
         #: object per call, too costly per request)
         self._degradation: dict[str, DegradationConfig] = {
@@ -236,36 +239,6 @@ class Director:
         queue = self.queues[req.model]
         if len(queue) and queue.predicted_wait_s(tenant.priority) > max_wait_s:
             raise shed(req.model, tenant.priority, queue.retry_after_s())
-
-    # ------------------------------------------------------------------ capacity
-
-    def _views(self, model: str) -> list[capacity.EngineView]:
-        return [capacity.EngineView(e.id, e.labels.get("spec", e.id), e.latency.model,
-                                    e.latency.mode, e.block_size, e.num_blocks, e.cost_per_hour)
-                for e in self.pool.for_model(model) if e.latency is not None]
-
-    def capacity(self, model: str, target_rate: float | None) -> dict[str, object]:
-        """``GET /admin/capacity`` for one model (:func:`limits.capacity.report`);
-        before any request finished, the mix is None and no engine is listed."""
-        mix = self.mix[model].mix()
-        if mix is None:
-            return {"model": model, "mix": None, "engines": [], "target_rate": target_rate}
-        slo = {p: (self.slo.target(p).ttft_s, self.slo.target(p).tpot_s) for p in PRIORITIES}
-        rep = capacity.report(self._views(model), mix, slo, self.adaptive.confidence_z,
-                              target_rate)
-        return {"model": model, **rep}
-
-    def desired_engines(self, model: str) -> float | None:
-        """Engines the model's current arrival rate needs (the HPA metric), or None
-        before any request finished."""
-        mix = self.mix[model].mix()
-        if mix is None:
-            return None
-        demand = self.placer.band_demand(model)
-        rate = sum(demand.rate(p) for p in PRIORITIES)
-        t = min((self.slo.target(p) for p in PRIORITIES), key=lambda t: t.tpot_s)
-        return capacity.desired_engines(self._views(model), mix, t.ttft_s, t.tpot_s,
-                                        self.adaptive.confidence_z, rate)
 
     # ------------------------------------------------------------------ pipeline
 

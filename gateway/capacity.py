@@ -1,0 +1,59 @@
+"""The capacity report of one gateway (``GET /admin/capacity``, ``sluice capacity``,
+the HPA's desired-engines metric): the fitted per-engine latency models, the observed
+request mix and band demand, priced by :mod:`limits.capacity`
+(docs/adaptive-admission.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from config.schema import PRIORITIES, AdaptiveConfig, SloConfig
+from engines.pool import EnginePool
+from gateway.placement import Placer
+from limits import capacity
+
+
+class CapacityReport:
+    """Reads the live pool, mix and demand; no state of its own.
+
+    Args:
+        pool: the engines (each with its fitted latency model when adaptive).
+        placer: its per-model band demand (arrival rates).
+        mix: per model, the prompt/output mix of finished requests.
+        slo: the per-band TTFT/TPOT targets.
+        adaptive: the adaptive-admission settings (``confidence_z``).
+    """
+
+    def __init__(self, *, pool: EnginePool, placer: Placer,
+                 mix: Mapping[str, capacity.MixTracker], slo: SloConfig,
+                 adaptive: AdaptiveConfig) -> None:
+        self.pool, self.placer, self.mix = pool, placer, mix
+        self.slo, self.adaptive = slo, adaptive
+
+    def _views(self, model: str) -> list[capacity.EngineView]:
+        return [capacity.EngineView(e.id, e.labels.get("spec", e.id), e.latency.model,
+                                    e.latency.mode, e.block_size, e.num_blocks, e.cost_per_hour)
+                for e in self.pool.for_model(model) if e.latency is not None]
+
+    def report(self, model: str, target_rate: float | None) -> dict[str, object]:
+        """``GET /admin/capacity`` for one model (:func:`limits.capacity.report`);
+        before any request finished, the mix is None and no engine is listed."""
+        mix = self.mix[model].mix()
+        if mix is None:
+            return {"model": model, "mix": None, "engines": [], "target_rate": target_rate}
+        slo = {p: (self.slo.target(p).ttft_s, self.slo.target(p).tpot_s) for p in PRIORITIES}
+        rep = capacity.report(self._views(model), mix, slo, self.adaptive.confidence_z,
+                              target_rate)
+        return {"model": model, **rep}
+
+    def desired_engines(self, model: str) -> float | None:
+        """Engines the model's current arrival rate needs (the HPA metric), or None
+        before any request finished."""
+        mix = self.mix[model].mix()
+        if mix is None:
+            return None
+        demand = self.placer.band_demand(model)
+        rate = sum(demand.rate(p) for p in PRIORITIES)
+        t = min((self.slo.target(p) for p in PRIORITIES), key=lambda t: t.tpot_s)
+        return capacity.desired_engines(self._views(model), mix, t.ttft_s, t.tpot_s,
+                                        self.adaptive.confidence_z, rate)
