@@ -247,6 +247,16 @@ class TenantsConfig(_Strict):
 FALLBACK_TOKENIZER = "fallback"
 
 
+class KVEventsEndpointSpec(_Strict):
+    """Where an engine publishes KV-cache events (vLLM's ``--kv-events-config``):
+    ``endpoint`` its PUB socket and ``replay_endpoint`` its replay (ROUTER) socket, as
+    the gateway connects to them (``tcp://host:port``); ``topic`` as configured there."""
+
+    endpoint: str = Field(..., pattern=r"^(tcp|ipc)://")
+    replay_endpoint: str | None = Field(None, pattern=r"^(tcp|ipc)://")
+    topic: str = ""
+
+
 class EngineSpec(_Strict):
     """One engine entry; ``replicas`` > 1 expands to that many processes.
 
@@ -288,6 +298,9 @@ class EngineSpec(_Strict):
     cache_salt: bool | None = Field(
         None, description="accepts vLLM's cache_salt; None: yes for launched vLLM-dialect "
         "engines (vllm, sim)")
+    kv_events: KVEventsEndpointSpec | None = Field(
+        None, description="an external engine's KV-event publisher (launched engines get "
+        "one when scheduler.prefix.source is events)")
     tokenizer: str | None = Field(
         None, description=f"how the gateway tokenizes prompts for prefix routing: "
         f"{FALLBACK_TOKENIZER!r} (the simulator's tokenizer), a folder with tokenizer.json, "
@@ -351,6 +364,9 @@ class EngineSpec(_Strict):
             raise ValueError("kind llamacpp speaks the llamacpp dialect")
         if self.port is not None and self.replicas > 1:
             raise ValueError("port fixes one process; use port_range with replicas > 1")
+        if self.kv_events is not None and self.kind != "external":
+            raise ValueError("kv_events is for external engines; launched engines get "
+                             "their endpoints from the gateway")
         if self.role != "both" and self.kv_connector is None:
             raise ValueError(f"role {self.role} needs kv_connector (how the KV cache moves)")
         return self
@@ -427,7 +443,10 @@ class PrefixConfig(_Strict):
     ``block_size``. ``max_blocks``: hash at most this many leading blocks (bounds
     per-request work on huge prompts); None hashes all. ``cache_salt``: send each
     tenant's namespace as vLLM's ``cache_salt`` so tenants never share prefix-cache
-    entries (engines whose spec does not accept it get none).
+    entries (engines whose spec does not accept it get none). ``source``: where the
+    index learns what engines hold — ``events`` (``engines.prefix_events``: each
+    engine's KV-cache events; launched engines get ``--kv-events-config``, external
+    ones need ``kv_events``) or ``approximate`` (``engines.prefix.PrefixIndex``).
     """
 
     block_size: int | None = Field(None, ge=1, description="tokens per block")
@@ -435,6 +454,15 @@ class PrefixConfig(_Strict):
     max_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="index memory cap, bytes")
     ttl_s: float = Field(600.0, gt=0, description="index entry lifetime, s")
     cache_salt: bool = True
+    source: Literal["events", "approximate"] = Field(
+        "approximate", description="events: the engines' KV-cache events (precise); "
+        "approximate: the gateway's routing history")
+    turn_cache_tokens: int = Field(
+        4_000_000, ge=0, description="token ids of chat turns kept so a conversation's "
+        "earlier turns are not tokenized again (engines.token_cache); 0: off")
+    predicted_ttl_s: float = Field(
+        10.0, gt=0, description="with events: a routed request's blocks count as held on "
+        "its engine this long before the engine reports them, s")
 
 
 class SessionsConfig(_Strict):

@@ -65,7 +65,8 @@ def fallback_tokenize(text: str) -> list[int]:
 
 
 def chain_block_hashes(
-    tokens: Sequence[int], block_size: int, salt: str | None = None
+    tokens: Sequence[int], block_size: int, salt: str | None = None, *,
+    parent: int | None = None,
 ) -> list[int]:
     """Hash ``tokens`` in full blocks of ``block_size``, each hash chained on the
     previous one, so block ``i``'s hash identifies the whole prefix ``0..i``.
@@ -84,6 +85,11 @@ def chain_block_hashes(
         block_size: tokens per block (vLLM's ``--block-size``; default 16 on GPU,
             128 on the CPU backend), > 0.
         salt: optional isolation key; None or "" means no salt.
+        parent: continue a chain instead of starting one: the hash of the block
+            just before ``tokens`` (``salt`` is then ignored, the parent carries it).
+            ``chain_block_hashes(a + b, n, s)`` equals ``h + chain_block_hashes(b, n,
+            parent=h[-1])`` with ``h = chain_block_hashes(a, n, s)`` when ``len(a)``
+            is a multiple of ``n``; the KV-event index rebuilds keys this way.
 
     Returns:
         One unsigned 64-bit int per full block, in order.
@@ -98,11 +104,14 @@ def chain_block_hashes(
         buf.byteswap()
     data = memoryview(buf).cast("B")
     step = block_size * 8
-    parent = b"salt:" + salt.encode("utf-8") + b"\x00" if salt else b""
+    if parent is not None:
+        prev = parent.to_bytes(_HASH_BYTES, "little")
+    else:
+        prev = b"salt:" + salt.encode("utf-8") + b"\x00" if salt else b""
     hashes: list[int] = []
     for i in range(n_full):
-        h = blake2b(parent, digest_size=_HASH_BYTES)
+        h = blake2b(prev, digest_size=_HASH_BYTES)
         h.update(data[i * step : (i + 1) * step])
-        parent = h.digest()
-        hashes.append(int.from_bytes(parent, "little"))
+        prev = h.digest()
+        hashes.append(int.from_bytes(prev, "little"))
     return hashes

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engines.breaker import CircuitBreaker
+from engines.kv_events import EventsEndpoint
 from limits.engine_latency import EngineLatency
 
 
@@ -85,6 +86,7 @@ class Engine:
         cost_per_hour: the spec's price per replica-hour, or None.
         latency: its learned latency model and request ledger (the adaptive
             admission), or None while adaptive admission is off.
+        kv_events: where the engine publishes KV-cache events, if it does.
     """
 
     id: str
@@ -102,6 +104,7 @@ class Engine:
     priority_scheduling: bool = False
     cost_per_hour: float | None = None
     latency: EngineLatency | None = None
+    kv_events: EventsEndpoint | None = None
 
     @property
     def routable(self) -> bool:

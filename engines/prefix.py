@@ -5,7 +5,9 @@ The router cannot see an engine's cache, so it keeps its own approximation, as
 SGLang's router keeps an approximate radix tree per worker (``sgl-router``
 ``cache_aware`` policy, "approximate tree") and llm-d's inference scheduler keeps an
 LRU of block hashes per server (``prefix-cache-scorer``, ``lruCapacityPerServer``).
-Later: vLLM's KV-cache events would make it exact.
+With ``scheduler.prefix.source: events`` the engines' own KV-cache events make it
+exact (:mod:`engines.prefix_events`); this index then stands in for an engine whose
+events are not in sync and keeps the routes not yet reported.
 """
 
 from __future__ import annotations

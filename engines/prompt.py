@@ -42,6 +42,7 @@ from engines.blocks import chain_block_hashes, fallback_tokenize
 from engines.interfaces import PromptEncoder
 from engines.pool import EnginePool
 from engines.prepare import MODEL_DIRNAME, PACKAGED_GEMMA, default_cache_dir, is_prepared
+from engines.token_cache import DEFAULT_MAX_TOKENS, TurnTokenCache, turn_markers
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,16 @@ class FallbackEncoder:
         return fallback_tokenize(text)
 
 
+#: The chat :meth:`HFEncoder` checks turn-by-turn tokenization on: every role, runs of
+#: spaces and newlines at the turn edges, non-ASCII text.
+_SAMPLE_CHAT = [
+    {"role": "system", "content": "  Be brief.\n"},
+    {"role": "user", "content": "Hello  there,\n\nwhat's 2+2? ¿Qué tal? 日本語 "},
+    {"role": "assistant", "content": " 4.\n"},
+    {"role": "user", "content": "\tand 3+3?  "},
+]
+
+
 class HFEncoder:
     """A model folder's chat template and ``tokenizer.json``.
 
@@ -103,20 +114,26 @@ class HFEncoder:
     endpoint does. Completions: the prompt encoded with special tokens (BOS).
 
     The tokenizer loads on first use (~2 s for Gemma 3's 262k vocabulary);
-    ``offload`` is True so callers run it in a worker thread.
+    ``offload`` is True so callers run it in a worker thread. Chats are tokenized
+    turn by turn through a :class:`~engines.token_cache.TurnTokenCache` (earlier
+    turns of a conversation are not tokenized again) when the template has turn
+    markers and the tokenizer passes :meth:`~engines.token_cache.TurnTokenCache.verify`.
 
     Args:
         folder: the model folder (``tokenizer.json`` required).
+        turn_cache_tokens: bound of the turn cache, token ids (0: no cache).
     """
 
     offload = True
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, turn_cache_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         self.folder = folder
+        self.turn_cache_tokens = turn_cache_tokens
         self._tokenizer: Any = None
         self._template: Any = None
         self._special: dict[str, str] = {}
         self._lock = threading.Lock()
+        self.turns: TurnTokenCache | None = None
 
     def _load(self) -> None:
         with self._lock:  # worker threads may race on the first request
@@ -149,7 +166,17 @@ class HFEncoder:
 
             env.globals["raise_exception"] = raise_exception
             self._template = env.from_string(source)
-        self._tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        markers = turn_markers(source or "", (t.content for t in
+                                              tokenizer.get_added_tokens_decoder().values()))
+        if markers is not None and self._template is not None and self.turn_cache_tokens:
+            cache = TurnTokenCache(markers,
+                                   lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+                                   self.turn_cache_tokens)
+            sample = self._template.render(messages=_SAMPLE_CHAT, add_generation_prompt=True,
+                                           **self._special)
+            self.turns = cache if cache.verify(sample) else None
+        self._tokenizer = tokenizer
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The chat as text; :func:`render_fallback_chat` if the model has no template."""
@@ -161,6 +188,8 @@ class HFEncoder:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         text = self.render_chat(messages)
+        if self.turns is not None:
+            return self.turns.encode(text)
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_text(self, text: str) -> list[int]:
@@ -183,12 +212,14 @@ def local_model_folder(spec: EngineSpec, cache_dir: Path | None = None) -> Path 
     return folder if (folder / "tokenizer.json").is_file() else None
 
 
-def encoder_for(spec: EngineSpec, cache_dir: Path | None = None) -> PromptEncoder:
+def encoder_for(spec: EngineSpec, cache_dir: Path | None = None,
+                turn_cache_tokens: int = DEFAULT_MAX_TOKENS) -> PromptEncoder:
     """The encoder that reproduces ``spec``'s tokens: the tokenizer its ``tokenizer``
     field names (by default the model's own for ``kind: vllm``, the simulator's
-    fallback for the other kinds) when it is on local disk; the fallback otherwise."""
+    fallback for the other kinds) when it is on local disk (its chat turns cached up
+    to ``turn_cache_tokens`` ids; 0: no cache); the fallback otherwise."""
     folder = local_model_folder(spec, cache_dir)
-    return FallbackEncoder() if folder is None else HFEncoder(folder)
+    return FallbackEncoder() if folder is None else HFEncoder(folder, turn_cache_tokens)
 
 
 @dataclass(frozen=True)
@@ -259,7 +290,8 @@ class PromptBlocks:
         self._exact: set[str] = set()
         for spec in cfg.engines:
             if spec.model not in self._encoders:
-                enc = self._encoders[spec.model] = encoder_for(spec, cache_dir)
+                enc = self._encoders[spec.model] = encoder_for(
+                    spec, cache_dir, cfg.scheduler.prefix.turn_cache_tokens)
                 # the simulator's tokenizer, the model's own, or one the spec names
                 if spec.kind == "sim" or isinstance(enc, HFEncoder) or spec.tokenizer:
                     self._exact.add(spec.model)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -72,6 +72,7 @@ class EngineRunner:
         log_path: the process's stdout/stderr file.
         model_cache_dir: where ``packaged:`` models are prepared (None: default).
         clock: monotonic clock, s.
+        extra_args: appended to the command line (the KV-event publisher flag).
     """
 
     def __init__(
@@ -87,6 +88,7 @@ class EngineRunner:
         log_path: Path,
         model_cache_dir: Path | None,
         clock: Clock,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.engine = engine
         self.spec = spec
@@ -98,6 +100,7 @@ class EngineRunner:
         self.log_path = log_path
         self.model_cache_dir = model_cache_dir
         self.clock = clock
+        self.extra_args = list(extra_args)
         #: The process currently launched (None before the first launch).
         self.process: EngineProcess | None = None
         self._ready_at: float | None = None  # when the current process became ready
@@ -119,7 +122,8 @@ class EngineRunner:
                       self.spec.model_path, e)
             self.pool.set_state(self.engine, EngineState.STOPPED)
             return
-        argv = self.command(self.spec, self.spec.host, self.port, model_path)
+        argv = [*self.command(self.spec, self.spec.host, self.port, model_path),
+                *self.extra_args]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", **self.spec.env}
         streak = 0
         while True:

@@ -12,16 +12,28 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from config.schema import SchedulerConfig
 from engines.interfaces import SchedRequest
 from engines.plugins import build_filter, build_picker, build_scorer
 from engines.pool import Engine
 from engines.prefix import PrefixIndex
+from engines.prefix_events import EventPrefixIndex
 from engines.sessions import SessionTable
 
-__all__ = ["Decision", "SchedRequest", "Scheduler"]
+__all__ = ["Decision", "SchedRequest", "Scheduler", "engine_hit_blocks"]
+
+
+def engine_hit_blocks(req: SchedRequest) -> int:
+    """The most leading blocks an engine can serve ``req`` from its cache: vLLM
+    recomputes the last prompt token to get logits, so at most
+    ``(prompt_tokens − 1) // block_size`` blocks hit (``get_computed_blocks`` in
+    ``vllm/v1/core/kv_cache_manager.py``); never more than ``req.blocks``. A
+    ``prompt_tokens`` below the blocks' own token count (an estimate) is ignored."""
+    if not req.block_size or req.prompt_tokens < len(req.blocks) * req.block_size:
+        return len(req.blocks)
+    return min(len(req.blocks), (req.prompt_tokens - 1) // req.block_size)
 
 
 @dataclass
@@ -33,10 +45,15 @@ class Decision:
         scores: the chosen engine's score from each scorer, keyed by the scorer's
             ``type`` (unweighted, 0–1; a type listed twice keeps its last entry),
             plus ``"total"``, the weighted sum.
+        prefix_tokens: prompt tokens the prefix index predicts the chosen engine
+            holds, keyed by the index's source (``events`` or ``approximate``; with
+            events also the approximate index's prediction), capped as the engine
+            caps its hits (:func:`engine_hit_blocks`); empty without blocks.
     """
 
     engine: Engine
     scores: dict[str, float]
+    prefix_tokens: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -68,7 +85,11 @@ class Scheduler:
         self.filters = [build_filter(f) for f in cfg.filters]
         self.scorers = [(s.type, s.weight, build_scorer(s)) for s in cfg.scorers]
         self.picker = build_picker(cfg.picker, rng or random.Random())
-        self.index = PrefixIndex(cfg.prefix.max_bytes, cfg.prefix.ttl_s)
+        p = cfg.prefix
+        self.source = p.source
+        self.index: PrefixIndex | EventPrefixIndex = (
+            EventPrefixIndex(p.max_bytes, p.ttl_s, p.predicted_ttl_s, p.block_size)
+            if p.source == "events" else PrefixIndex(p.max_bytes, p.ttl_s))
         self.sessions = SessionTable(cfg.sessions.max_sessions, cfg.sessions.ttl_s)
 
     def pick(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> Decision | None:
@@ -103,7 +124,15 @@ class Scheduler:
         i = self.picker.pick(candidates, totals)
         scores = {name: values[i] for name, _, values in rated}
         scores["total"] = totals[i]
-        return Decision(engine=candidates[i], scores=scores)
+        chosen = candidates[i]
+        prefix: dict[str, int] = {}
+        if req.blocks and req.block_size:
+            cap = engine_hit_blocks(req)
+            prefix[self.source] = min(req.prefix_matches.get(chosen.id, 0), cap) * req.block_size
+            if isinstance(self.index, EventPrefixIndex):
+                approx = self.index.approximate.match(chosen, req.blocks, now)
+                prefix["approximate"] = min(approx, cap) * req.block_size
+        return Decision(engine=chosen, scores=scores, prefix_tokens=prefix)
 
     def record(self, req: SchedRequest, engine: Engine, now: float) -> None:
         """``req`` was dispatched to ``engine`` at ``now`` (clock time, s): its blocks

@@ -8,6 +8,7 @@ The gateway creates it in ``cleanup_ctx`` with the shared ``ClientSession``, cal
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import tempfile
@@ -19,6 +20,7 @@ import aiohttp
 from config.schema import EnginesConfig, EngineSpec
 from engines.breaker import CircuitBreaker
 from engines.kinds import KINDS
+from engines.kv_events import EventsEndpoint
 from engines.metrics import MetricsPoller
 from engines.pool import Engine, EnginePool, EngineState
 from engines.process import DEFAULT_COMMANDS, CommandBuilder, choose_port
@@ -39,6 +41,34 @@ def engine_ids(spec: EngineSpec) -> list[str]:
 def _external_base_url(url: str) -> str:
     base = url.rstrip("/")
     return base.removesuffix("/v1")
+
+
+#: Batches an engine keeps for replay (vLLM's ``buffer_steps``, default 10,000). A
+#: batch carries the token ids of every block stored in one step (~60 KB for a
+#: 12k-token prompt), so vLLM's default could hold ~600 MB; 1,000 steps still cover
+#: any gap a subscriber on the same host recovers from.
+REPLAY_BUFFER_STEPS = 1000
+#: Launched kinds that publish vLLM's KV-cache events with ``--kv-events-config``.
+KV_EVENT_KINDS = frozenset({"vllm", "sim"})
+
+
+def kv_events_flag(engine_id: str, host: str, taken: set[int]) -> tuple[EventsEndpoint, list[str]]:
+    """vLLM's ``--kv-events-config`` for a launched engine on ``host``: a PUB and a
+    replay port, free and not in ``taken`` (both added to it), topic ``kv@<id>``.
+    The PUB endpoint is ``tcp://*:port`` because vLLM binds only wildcard TCP
+    endpoints (``ZmqEventPublisher._is_bind_endpoint``) and connects to the rest.
+    Returns the endpoint the gateway subscribes to and the flag's two arguments."""
+    pub = choose_port(host, None, taken)
+    taken.add(pub)
+    replay = choose_port(host, None, taken)
+    taken.add(replay)
+    at = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    topic = f"kv@{engine_id}"
+    flag = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                       "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://{at}:{replay}",
+                       "buffer_steps": REPLAY_BUFFER_STEPS, "topic": topic})
+    endpoint = EventsEndpoint(f"tcp://{at}:{pub}", f"tcp://{at}:{replay}", topic)
+    return endpoint, ["--kv-events-config", flag]
 
 
 async def wait_for(pool: EnginePool, predicate: Callable[[], bool], timeout_s: float) -> bool:
@@ -120,6 +150,7 @@ class Supervisor:
             os.environ.get("SLUICE_RUN_DIR") or tempfile.mkdtemp(prefix="sluice-run-")
         )
         sup = self.cfg.supervisor
+        events = self.cfg.scheduler.prefix.source == "events"
         taken: set[int] = {s.port for s in self.cfg.engines if s.port is not None}
         for spec in self.cfg.engines:
             command = None if spec.kind == "external" else self.commands[spec.kind]
@@ -140,11 +171,17 @@ class Supervisor:
                                                          "dialect": spec.engine_dialect},
                                 priority_scheduling=spec.priority_scheduling,
                                 cost_per_hour=spec.cost_per_hour)
+                extra: list[str] = []
+                if events and spec.kind in KV_EVENT_KINDS:
+                    engine.kv_events, extra = kv_events_flag(engine_id, spec.host, taken)
+                elif events and spec.kv_events is not None:
+                    ev = spec.kv_events
+                    engine.kv_events = EventsEndpoint(ev.endpoint, ev.replay_endpoint, ev.topic)
                 self.pool.add(engine)
                 self.runners.append(EngineRunner(
                     engine, spec, port, sup, self.pool, self.session, command=command,
                     log_path=run_dir / f"{engine_id}.log",
-                    model_cache_dir=self.model_cache_dir, clock=self.clock,
+                    model_cache_dir=self.model_cache_dir, clock=self.clock, extra_args=extra,
                 ))
         for runner in self.runners:
             poller = MetricsPoller(

@@ -10,8 +10,8 @@ capacity report from the learned latency models; admin key).
 :func:`create_app` builds everything that needs no event loop — the scheduler (so a
 bad plugin fails before any engine starts), admission queues, counter store, metrics
 and their collectors — and registers the module-level ``cleanup_ctx`` functions below,
-which start and stop the rest in order: engines, request pipeline, background tasks,
-tracing, the separate metrics listener. Every key is in :mod:`gateway.keys`.
+which start and stop the rest in order: engines, request pipeline, KV-event
+subscribers, background tasks, tracing, the separate metrics listener. Every key is in :mod:`gateway.keys`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from cache.service import open_cache
 from config.schema import PRIORITIES, Config
+from engines.kv_events import KVEventSubscribers
 from engines.pool import EnginePool
+from engines.prefix_events import EventPrefixIndex
 from engines.scheduler import Scheduler
 from engines.supervisor import Supervisor
 from gateway.access_log import log_access
@@ -187,6 +189,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
 
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(pipeline_ctx)
+    app.cleanup_ctx.append(kv_events_ctx)
     app.cleanup_ctx.append(background_ctx)
     app.cleanup_ctx.append(tracing_ctx)
     if obs.metrics_listen:
@@ -256,6 +259,22 @@ async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
         if cache is not None:
             await cache.close()
         await store.close()
+
+
+async def kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
+    """With ``scheduler.prefix.source: events``, one KV-event subscriber per engine
+    that publishes, feeding this process's prefix index (every gateway process
+    follows the engines itself); their state on ``/metrics``."""
+    index = app[SCHEDULER].index
+    if not isinstance(index, EventPrefixIndex):
+        yield
+        return
+    subscribers = KVEventSubscribers(index)
+    subscribers.follow(app[POOL].engines)
+    app[METRICS].registry.register(subscribers)
+    yield
+    app[METRICS].registry.unregister(subscribers)
+    await subscribers.stop()
 
 
 async def background_ctx(app: web.Application) -> AsyncIterator[None]:

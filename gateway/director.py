@@ -51,6 +51,10 @@ NO_ENGINE_RETRY_S = 5
 #: Response header naming a split request's prefill engine (``x-sluice-engine``
 #: names the engine that streamed the answer).
 PREFILL_ENGINE_HEADER = "x-sluice-prefill-engine"
+#: Response header: prompt tokens the prefix index predicted cached on the chosen
+#: engine, per index (``events=N, approximate=M``); the replay benchmark compares it
+#: with the engine's ``usage.prompt_tokens_details.cached_tokens``.
+PREFIX_TOKENS_HEADER = "x-sluice-prefix-tokens"
 
 
 def _request_timeout(request: web.Request) -> float | None:
@@ -436,6 +440,9 @@ class Director:
             headers[DEGRADED_HEADER] = ", ".join(rec.degraded)
         if prefilled is not None:
             headers[PREFILL_ENGINE_HEADER] = prefilled.id
+        if placement.prefix_tokens:
+            headers[PREFIX_TOKENS_HEADER] = ", ".join(
+                f"{k}={v}" for k, v in placement.prefix_tokens.items())
         engine, flight = placement.engine, placement.flight
         ledger = engine.latency if flight is not None else None
         if flight is not None:

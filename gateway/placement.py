@@ -41,7 +41,8 @@ from limits.saturation import SaturationDetector, kv_blocks
 @dataclass(eq=False)
 class Placement:
     """One request's engine: its lease (one in-flight slot and ``lease.blocks``
-    promised KV blocks, released exactly once) and the scheduler's scores.
+    promised KV blocks, released exactly once) and the scheduler's scores and
+    prefix prediction (:attr:`engines.scheduler.Decision.prefix_tokens`).
 
     ``async with placement:`` releases the lease on exit; :meth:`release` is
     idempotent, so the admission queue's undo and the exit may both run.
@@ -57,6 +58,7 @@ class Placement:
     scores: dict[str, float] = field(default_factory=dict)
     prefill: EngineLease | None = None
     uncached: int = 0
+    prefix_tokens: dict[str, int] = field(default_factory=dict)
     flight: Flight | None = None
     on_release: Callable[[Placement], None] | None = None
 
@@ -229,12 +231,13 @@ class Placer:
         lease = self.pool.lease(engine, blocks)
         self.scheduler.record(need.sched, engine, now)
         if engine.latency is None:
-            return Placement(lease, decision.scores, uncached=uncached)
+            return Placement(lease, decision.scores, uncached=uncached,
+                             prefix_tokens=decision.prefix_tokens)
         flight = engine.latency.sent(uncached, need.sched.prompt_tokens,
                                      self.slo.target(need.priority).tpot_s,
                                      PRIORITIES.index(need.priority))
         return Placement(lease, decision.scores, uncached=uncached, flight=flight,
-                         on_release=self._close_flight)
+                         on_release=self._close_flight, prefix_tokens=decision.prefix_tokens)
 
     def _close_flight(self, placement: Placement) -> None:
         """A placement's release: its flight leaves the ledger (learning nothing if

@@ -15,6 +15,16 @@ Cells: closed-loop concurrency 1, 16 and 64 non-streaming (``c1``, ``c16``,
 default temperature, so the response cache is consulted but never answers (the
 cost measured is the pipeline's, not a cache hit's).
 
+``long`` (gateway only, when the packaged Gemma 3 model is prepared): 16 workers,
+each replaying Mooncake-length conversations (:func:`long_bodies`: a 2,000-token
+system prompt, then turns of 2,000 user + 500 assistant tokens, 8 turns: prompts
+of 4k–20k tokens, ~13k on average; the Mooncake conversation trace averages
+12,035 input tokens) to a second stand-in served as an ``external`` engine with
+``tokenizer: packaged:gemma3-270m``, so the gateway tokenizes with the real Gemma
+tokenizer. It runs on the shipped gateway (turn cache on) and on a second gateway
+with ``scheduler.prefix.turn_cache_tokens: 0`` (every prompt tokenized whole), the
+"before"; ``long_cpu_ms_per_req`` reports both.
+
 Load comes from a separate process (uvloop + aiohttp client, keep-alive, one
 connection per worker); for each cell it warms up, then measures for ``--duration``
 seconds: ``rps`` (completed requests / s), ``p50_ms``/``p99_ms`` (request latency,
@@ -53,7 +63,11 @@ import yaml
 
 PATHS = ("direct", "passthrough", "gateway")
 CELLS: dict[str, tuple[int, bool]] = {"c1": (1, False), "c16": (16, False),
-                                      "c64": (64, False), "stream16": (16, True)}
+                                      "c64": (64, False), "stream16": (16, True),
+                                      "long": (16, False)}
+LONG_MODEL = "stand-in-long"
+#: The gateway variant without the turn cache (the "before" of the long cell).
+NO_TURN_CACHE = "gateway_no_turn_cache"
 METRICS = ("rps", "p50_ms", "p99_ms", "cpu_ms_per_req")
 MODEL = "stand-in"
 CHUNKS = 64
@@ -66,6 +80,23 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat", "rb") as f:
         fields = f.read().rsplit(b")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
+
+
+def long_bodies(worker: int) -> Iterator[bytes]:
+    """Request bodies of one worker's conversations, forever (see module doc)."""
+    from loadtest.workloads.base import synthetic_text
+
+    conv = 0
+    while True:
+        key = f"w{worker}c{conv}"
+        messages = [{"role": "system", "content": synthetic_text(f"{key}/s", 2000)}]
+        for turn in range(8):
+            messages.append({"role": "user", "content": synthetic_text(f"{key}/u{turn}", 2000)})
+            yield json.dumps({"model": LONG_MODEL, "max_tokens": CHUNKS,
+                              "messages": messages}).encode()
+            messages.append({"role": "assistant",
+                             "content": synthetic_text(f"{key}/a{turn}", 500)})
+        conv += 1
 
 
 def request_body(stream: bool) -> bytes:
@@ -116,20 +147,23 @@ async def _passthrough(port: int, upstream: str) -> None:
 
 
 async def _generate(url: str, concurrency: int, stream: bool, warmup_s: float,
-                    duration_s: float, pid: int) -> dict[str, Any]:
-    """Closed loop: ``concurrency`` workers, each on its own keep-alive connection."""
+                    duration_s: float, pid: int, long: bool = False) -> dict[str, Any]:
+    """Closed loop: ``concurrency`` workers, each on its own keep-alive connection
+    (``long``: each sending :func:`long_bodies`)."""
     import aiohttp
 
-    body = request_body(stream)
+    fixed = request_body(stream)
     headers = {"Content-Type": "application/json"}
     lat: list[float] = []
     errors = 0
     window = [float("inf"), float("inf")]
     stop = False
 
-    async def worker(session: aiohttp.ClientSession) -> None:
+    async def worker(session: aiohttp.ClientSession, i: int) -> None:
         nonlocal errors
+        bodies = long_bodies(i) if long else None
         while not stop:
+            body = next(bodies) if bodies is not None else fixed
             t0 = time.perf_counter()
             try:
                 async with session.post(url, data=body, headers=headers) as r:
@@ -146,7 +180,7 @@ async def _generate(url: str, concurrency: int, stream: bool, warmup_s: float,
 
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
-        tasks = [asyncio.create_task(worker(session)) for _ in range(concurrency)]
+        tasks = [asyncio.create_task(worker(session, i)) for i in range(concurrency)]
         await asyncio.sleep(warmup_s)
         cpu0, own0, t_start = cpu_seconds(pid), time.process_time(), time.perf_counter()
         window[:] = [t_start, t_start + duration_s]
@@ -182,8 +216,9 @@ def _child(argv: list[str]) -> int:
     if argv[0] == "passthrough":
         run(_passthrough(int(argv[1]), argv[2]))
     elif argv[0] == "generate":
-        url, conc, stream, warm, dur, pid = argv[1:7]
-        out = run(_generate(url, int(conc), stream == "1", float(warm), float(dur), int(pid)))
+        url, conc, stream, warm, dur, pid, long = argv[1:8]
+        out = run(_generate(url, int(conc), stream == "1", float(warm), float(dur), int(pid),
+                            long == "1"))
         print(json.dumps(out), flush=True)
     return 0
 
@@ -225,9 +260,13 @@ def _process(cmd: list[str], port: int, cpus: set[int] | None) -> Iterator[subpr
             proc.kill()
 
 
-def gateway_config(directory: Path, engine_url: str, observability: bool) -> Path:
+def gateway_config(directory: Path, engine_url: str, observability: bool,
+                   long_url: str | None = None, turn_cache: bool = True) -> Path:
     """Write gateway/engines/tenants YAML for the benchmark: the shipped gateway.yaml
-    (cache included) and scheduler, one ``external`` engine, anonymous tenant."""
+    (cache included) and scheduler, one ``external`` engine, anonymous tenant; with
+    ``long_url`` a second external engine (model ``stand-in-long``) tokenized with
+    the packaged Gemma model's tokenizer; ``turn_cache`` False sets
+    ``scheduler.prefix.turn_cache_tokens: 0``."""
     shipped = ROOT / "config"
     gw = yaml.safe_load((shipped / "gateway.yaml").read_text()) or {}
     if not observability:
@@ -236,6 +275,12 @@ def gateway_config(directory: Path, engine_url: str, observability: bool) -> Pat
     engines = yaml.safe_load((shipped / "engines.yaml").read_text()) or {}
     engines["engines"] = [{"name": "stand-in-0", "model": MODEL, "kind": "external",
                            "url": engine_url}]
+    if long_url is not None:
+        engines["engines"].append({"name": "stand-in-long", "model": LONG_MODEL,
+                                   "kind": "external", "url": long_url,
+                                   "tokenizer": "packaged:gemma3-270m"})
+    if not turn_cache:
+        engines.setdefault("scheduler", {}).setdefault("prefix", {})["turn_cache_tokens"] = 0
     tenants = yaml.safe_load((shipped / "tenants.yaml").read_text()) or {}
     tenants["allow_anonymous"] = True
     directory.mkdir(parents=True, exist_ok=True)
@@ -248,7 +293,8 @@ def _run_cell(url: str, pid: int, cell: str, warmup_s: float, duration_s: float,
               cpus: set[int] | None) -> dict[str, Any]:
     conc, stream = CELLS[cell]
     cmd = [sys.executable, "-m", "loadtest.overhead", "generate", url + "/v1/chat/completions",
-           str(conc), "1" if stream else "0", str(warmup_s), str(duration_s), str(pid)]
+           str(conc), "1" if stream else "0", str(warmup_s), str(duration_s), str(pid),
+           "1" if cell == "long" else "0"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, check=True,
                          timeout=warmup_s + duration_s + 120,
                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
@@ -265,6 +311,12 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _long_available() -> bool:
+    from engines.prepare import MODEL_DIRNAME, default_cache_dir, is_prepared
+
+    return is_prepared(default_cache_dir() / MODEL_DIRNAME)
+
+
 def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pin: bool,
         cells: list[str], paths: list[str], gateway_log: Path | None) -> dict[str, Any]:
     """Run the benchmark; returns the JSON document (see the module docstring)."""
@@ -273,34 +325,51 @@ def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pi
     server_cpus = {1} if pin else None
     gen_cpus = {0} if pin else None
     all_cpus = os.sched_getaffinity(0)
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {p: {c: [] for c in cells}
-                                                           for p in paths}
+    if "long" in cells and ("gateway" not in paths or not _long_available()):
+        print("long cell skipped: needs the gateway path and the prepared packaged model "
+              "(sluice prepare-model)", file=sys.stderr)
+        cells = [c for c in cells if c != "long"]
+    long_paths = ["gateway", NO_TURN_CACHE] if "long" in cells else []
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {
+        p: {c: [] for c in cells} for p in [*paths, *long_paths[1:]]}
+
+    def start(cmd: list[str], port: int) -> subprocess.Popen[bytes]:
+        return stack.enter_context(_process(cmd, port, server_cpus))
+
+    def stand_in(model: str) -> tuple[str, int]:
+        port = _free_port()
+        proc = start([sys.executable, "-m", "loadtest.stand_in", "--port", str(port),
+                             "--model", model, "--chunks", str(CHUNKS)], port)
+        return f"http://127.0.0.1:{port}", proc.pid
+
+    def serve(cfg_dir: Path) -> tuple[str, int]:
+        if server_cpus:
+            os.sched_setaffinity(0, server_cpus)  # inherited by sluice serve
+        try:
+            gw = stack.enter_context(gateway(cfg_dir, ready_timeout_s=120, log_path=gateway_log))
+        finally:
+            os.sched_setaffinity(0, all_cpus)
+        return gw.url, gw.proc.pid
+
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="sluice-overhead-") as tmp:
-        eport = _free_port()
-        engine = stack.enter_context(_process(
-            [sys.executable, "-m", "loadtest.stand_in", "--port", str(eport), "--model", MODEL,
-             "--chunks", str(CHUNKS)], eport, server_cpus))
-        engine_url = f"http://127.0.0.1:{eport}"
-        targets: dict[str, tuple[str, int]] = {"direct": (engine_url, engine.pid)}
+        engine_url, engine_pid = stand_in(MODEL)
+        long_url = stand_in(LONG_MODEL)[0] if long_paths else None
+        targets: dict[str, tuple[str, int]] = {"direct": (engine_url, engine_pid)}
         if "passthrough" in paths:
             pport = _free_port()
-            proxy = stack.enter_context(_process(
-                [sys.executable, "-m", "loadtest.overhead", "passthrough", str(pport),
-                 engine_url], pport, server_cpus))
+            proxy = start([sys.executable, "-m", "loadtest.overhead", "passthrough", str(pport),
+                           engine_url], pport)
             targets["passthrough"] = (f"http://127.0.0.1:{pport}", proxy.pid)
         if "gateway" in paths:
-            cfg_dir = gateway_config(Path(tmp) / "config", engine_url, observability)
-            if server_cpus:
-                os.sched_setaffinity(0, server_cpus)  # inherited by sluice serve
-            try:
-                gw = stack.enter_context(gateway(cfg_dir, ready_timeout_s=120,
-                                                 log_path=gateway_log))
-            finally:
-                os.sched_setaffinity(0, all_cpus)
-            targets["gateway"] = (gw.url, gw.proc.pid)
+            targets["gateway"] = serve(gateway_config(Path(tmp) / "config", engine_url,
+                                                      observability, long_url))
+        if long_paths:
+            targets[NO_TURN_CACHE] = serve(gateway_config(
+                Path(tmp) / "config-no-turn-cache", engine_url, observability, long_url,
+                turn_cache=False))
         for _ in range(repeat):
             for cell in cells:
-                for path in paths:
+                for path in (long_paths if cell == "long" else paths):
                     url, pid = targets[path]
                     r = _run_cell(url, pid, cell, warmup_s, duration_s, gen_cpus)
                     results[path][cell].append(r)
@@ -308,7 +377,8 @@ def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pi
                           f"p99 {r['p99_ms']} ms  cpu/req {r['cpu_ms_per_req']} ms  "
                           f"errors {r['errors']}  gen cpu {r['generator_cpu_util']}",
                           file=sys.stderr, flush=True)
-    doc: dict[str, Any] = {p: {c: _median(results[p][c]) for c in cells} for p in paths}
+    doc: dict[str, Any] = {p: {c: _median(runs) for c, runs in cells_.items() if runs}
+                           for p, cells_ in results.items()}
 
     def get(path: str, cell: str, key: str) -> float | None:
         return (doc.get(path) or {}).get(cell, {}).get(key)
@@ -317,6 +387,10 @@ def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pi
     doc["ratio_gateway_passthrough_c64"] = round(gw_rps / pt_rps, 3) if gw_rps and pt_rps else None
     gw_p50, d_p50 = get("gateway", "c1", "p50_ms"), get("direct", "c1", "p50_ms")
     doc["added_p50_ms_c1"] = round(gw_p50 - d_p50, 3) if gw_p50 and d_p50 else None
+    if long_paths:
+        doc["long_cpu_ms_per_req"] = {"turn_cache": get("gateway", "long", "cpu_ms_per_req"),
+                                      "no_turn_cache": get(NO_TURN_CACHE, "long",
+                                                           "cpu_ms_per_req")}
     doc["meta"] = {"duration_s": duration_s, "warmup_s": warmup_s, "repeat": repeat,
                    "observability": "on" if observability else "off", "pinned": pin,
                    "cpus": os.cpu_count(), "loadavg_end": os.getloadavg(),
@@ -327,12 +401,14 @@ def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pi
 def table(doc: dict[str, Any]) -> str:
     """The results as a Markdown table."""
     lines = ["| path | cell | rps | p50 ms | p99 ms | CPU ms/req |", "|---|---|---|---|---|---|"]
-    for path in PATHS:
+    for path in (*PATHS, NO_TURN_CACHE):
         for cell, r in (doc.get(path) or {}).items():
             lines.append(f"| {path} | {cell} | {r['rps']} | {r['p50_ms']} | {r['p99_ms']} | "
                          f"{r['cpu_ms_per_req']} |")
     lines.append(f"\nratio gateway/passthrough at c64: {doc['ratio_gateway_passthrough_c64']}; "
                  f"p50 added at c1 (gateway − direct): {doc['added_p50_ms_c1']} ms")
+    if "long_cpu_ms_per_req" in doc:
+        lines.append(f"long cell, gateway CPU ms per request: {doc['long_cpu_ms_per_req']}")
     return "\n".join(lines)
 
 

@@ -65,10 +65,11 @@ POLICIES = {
 
 def write_sim_config(folder: Path, engines: int, policy: str, model: str, sim_args: list[str],
                      index_bytes: int, pd: tuple[int, int] | None = None,
-                     disaggregation: dict | None = None) -> Path:
+                     disaggregation: dict | None = None, prefix_source: str | None = None) -> Path:
     """A config folder for ``sluice serve``: ``engines`` simulated engines
     (``kind: sim`` with ``sim_args``), scheduler ``policy`` (prefix index capped at
-    ``index_bytes``), anonymous access, no response cache (every request must reach
+    ``index_bytes``; its ``source`` replaced by ``prefix_source`` when given),
+    anonymous access, no response cache (every request must reach
     an engine), and admission limits loose enough that the engines' own schedulers
     queue (``max_waiting`` high): the benchmark compares placement, not shedding.
 
@@ -78,6 +79,8 @@ def write_sim_config(folder: Path, engines: int, policy: str, model: str, sim_ar
     folder.mkdir(parents=True, exist_ok=True)
     sched = POLICIES[policy]()
     sched["prefix"] = {**sched.get("prefix", {}), "max_bytes": index_bytes}
+    if prefix_source is not None:
+        sched["prefix"]["source"] = prefix_source
     if pd is None:
         specs = [{"name": "sim", "model": model, "kind": "sim", "replicas": engines,
                   "args": sim_args}]
@@ -158,6 +161,7 @@ class Replayer:
                 res.status = r.status
                 res.engine = r.headers.get("x-sluice-engine")
                 res.prefill_engine = r.headers.get("x-sluice-prefill-engine")
+                res.prefix_tokens = _prefix_tokens(r.headers.get("x-sluice-prefix-tokens"))
                 q = r.headers.get("x-sluice-queue-ms")
                 res.queue_ms = float(q) if q else None
                 if r.status != 200:
@@ -200,6 +204,9 @@ class Replayer:
     def _usage(res: Result, usage: dict) -> None:
         res.prompt_tokens = usage.get("prompt_tokens")
         res.completion_tokens = usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            res.cached_tokens = details["cached_tokens"]
 
     async def run(self, specs: list[RequestSpec], engines: list[EngineStats],
                   scrape_interval_s: float = 1.0) -> tuple[list[Result], float]:
@@ -251,6 +258,18 @@ class Replayer:
             await asyncio.sleep(interval_s)
 
 
+def _prefix_tokens(header: str | None) -> dict[str, int] | None:
+    """``x-sluice-prefix-tokens: events=N, approximate=M`` as a dict (None if absent)."""
+    if not header:
+        return None
+    out: dict[str, int] = {}
+    for part in header.split(","):
+        name, _, value = part.strip().partition("=")
+        if value.isdigit():
+            out[name] = int(value)
+    return out or None
+
+
 async def _scrape(session: aiohttp.ClientSession, url: str) -> MetricsSnapshot | None:
     """The engine's ``url/metrics`` (:func:`engines.metrics.parse_metrics`); None when
     unreachable or unparsable."""
@@ -294,6 +313,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sim-profile", default="h200-llama3-8b")
     p.add_argument("--sim-num-blocks", type=int, default=200_000,
                    help="KV blocks per simulated engine")
+    p.add_argument("--sim-max-model-len", type=int,
+                   help="override the profile's max_model_len (a smaller KV cache needs it)")
     p.add_argument("--sim-speed", type=float,
                    help="simulated seconds per wall second (default: the workload's, "
                         "else 1 / --time-scale)")
@@ -309,6 +330,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="KV transfer bandwidth between simulated engines, Gbit/s")
     p.add_argument("--index-bytes", type=int, default=512 << 20,
                    help="prefix index memory cap of that gateway, bytes")
+    p.add_argument("--prefix-source", choices=["events", "approximate"],
+                   help="scheduler.prefix.source of that gateway (default: the policy's)")
     p.add_argument("--config-out", help="keep the generated config folder here")
     p.add_argument("--model", default="sim-model")
     p.add_argument("--duration", type=float, default=60.0, help="send window, s")
@@ -417,7 +440,9 @@ def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
 
     speed = args.sim_speed or 1.0 / args.time_scale
     sim_args = ["--profile", args.sim_profile, "--num-blocks", str(args.sim_num_blocks),
-                "--speed", f"{speed:g}"]
+                "--speed", f"{speed:g}", "--enable-prompt-tokens-details"]
+    if args.sim_max_model_len:
+        sim_args += ["--max-model-len", str(args.sim_max_model_len)]
     disaggregation = None
     if args.pd is not None:
         sim_args += ["--kv-transfer-gbps", f"{args.kv_transfer_gbps:g}"]
@@ -429,7 +454,7 @@ def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
                           "transfer_gbps": args.kv_transfer_gbps}
     folder = Path(args.config_out or tempfile.mkdtemp(prefix="sluice-bench-"))
     write_sim_config(folder, args.engines, args.policy, args.model, sim_args, args.index_bytes,
-                     args.pd, disaggregation)
+                     args.pd, disaggregation, args.prefix_source)
     with gateway(folder, log_path=folder / "gateway.log") as gw:
         engines = [EngineStats(u) for u in gw.engine_urls()]
         replayer = Replayer(gw.url, keys, args.duration, args.drain)
@@ -444,7 +469,8 @@ def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
         "ideal_hit_rate": replayed_ideal_hit_rate(args.workload, opts),
         "ttft_p50_ms": ttft["p50"], "ttft_p90_ms": ttft["p90"], "ttft_p99_ms": ttft["p99"],
         "tpot_p50_ms": tpot["p50"], "tpot_p90_ms": tpot["p90"], "tpot_p99_ms": tpot["p99"],
-        "setup": {"sim_args": sim_args, "time_scale": args.time_scale, "limit": args.limit,
+        "setup": {"sim_args": sim_args, "prefix_source": args.prefix_source,
+                  "time_scale": args.time_scale, "limit": args.limit,
                   "duration_s": args.duration, "config_dir": str(folder),
                   "workload_defaults": args.applied_defaults,
                   "disaggregation": disaggregation},

@@ -13,7 +13,10 @@ import numpy as np
 
 @dataclass
 class Result:
-    """One request's outcome (one JSON line of ``--out``); times in ms."""
+    """One request's outcome (one JSON line of ``--out``); times in ms.
+    ``cached_tokens``: prompt tokens the engine served from its prefix cache
+    (``usage.prompt_tokens_details.cached_tokens``); ``prefix_tokens``: the gateway's
+    prediction of them per index (``x-sluice-prefix-tokens``)."""
 
     index: int
     tenant: str
@@ -29,6 +32,8 @@ class Result:
     completion_tokens: int | None = None
     engine: str | None = None
     prefill_engine: str | None = None
+    cached_tokens: int | None = None
+    prefix_tokens: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,32 @@ def _pct(values: list[float]) -> dict[str, float | None]:
     return {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}
 
 
+def index_accuracy(results: list[Result]) -> dict[str, Any] | None:
+    """How well each prefix index predicted the engines' prefix-cache hits, over the
+    successful requests that report both: per request the overlap is
+    ``min(predicted, cached)`` tokens (both are leading-prefix lengths);
+    ``precision`` = Σ overlap / Σ predicted, ``recall`` = Σ overlap / Σ cached
+    (1.0 when the denominator is 0). The top-level ``precision``/``recall`` are
+    those of the index that routed (the first in the header); ``by_index`` has each.
+    None when no request reported both."""
+    pairs = [(r.prefix_tokens, r.cached_tokens) for r in results
+             if r.status == 200 and r.prefix_tokens and r.cached_tokens is not None]
+    if not pairs:
+        return None
+    by_index: dict[str, dict[str, float | int]] = {}
+    for name in pairs[0][0]:
+        got = [(p[name], c) for p, c in pairs if name in p]
+        overlap = sum(min(pr, c) for pr, c in got)
+        predicted, cached = sum(pr for pr, _ in got), sum(c for _, c in got)
+        by_index[name] = {"precision": overlap / predicted if predicted else 1.0,
+                          "recall": overlap / cached if cached else 1.0,
+                          "requests": len(got), "predicted_tokens": predicted,
+                          "cached_tokens": cached}
+    routed = next(iter(pairs[0][0]))
+    return {"source": routed, "precision": by_index[routed]["precision"],
+            "recall": by_index[routed]["recall"], "by_index": by_index}
+
+
 def summarize(results: list[Result], engines: list[EngineStats], slo: Slo,
               wall_s: float) -> dict[str, Any]:
     """The report as a JSON-able dict."""
@@ -105,6 +136,7 @@ def summarize(results: list[Result], engines: list[EngineStats], slo: Slo,
         "split_fraction": (sum(1 for r in ok if r.prefill_engine) / len(ok)) if ok else 0.0,
         "kv_transfers": sum(e.transfers_delta for e in engines),
         "kv_bytes_moved": sum(e.transfer_bytes_delta for e in engines),
+        "index": index_accuracy(results),
     }
 
 
@@ -127,6 +159,9 @@ def format_summary(s: dict[str, Any]) -> str:
     if s["prefix_hit_rate"] is not None:
         lines.append(f"prefix hit rate {s['prefix_hit_rate']:.3f}; load max/mean "
                      f"{s['load_max_over_mean'] or float('nan'):.2f}")
+    for name, acc in ((s.get("index") or {}).get("by_index") or {}).items():
+        lines.append(f"index {name}: precision {acc['precision']:.3f}, "
+                     f"recall {acc['recall']:.3f} ({acc['requests']} requests)")
     return "\n".join(lines)
 
 

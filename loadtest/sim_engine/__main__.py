@@ -15,6 +15,7 @@ import sys
 from loadtest.sim_engine.dialects import DIALECTS
 from loadtest.sim_engine.disagg import CONNECTORS, ROLES, SimConnector
 from loadtest.sim_engine.engine import SimEngine
+from loadtest.sim_engine.kv_events import KVEventsConfig, SimEventPublisher
 from loadtest.sim_engine.profiles import PROFILES, get_profile
 from loadtest.sim_engine.server import serve
 
@@ -36,6 +37,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--kv-events-config", type=KVEventsConfig.from_json,
+                   help="vLLM's KV-event publisher config (JSON)")
     p.add_argument("--role", choices=ROLES, default="both",
                    help="disaggregated serving: prefill legs, decode legs or both "
                         "(needs --kv-connector)")
@@ -63,7 +66,9 @@ async def _serve_forever(args: argparse.Namespace) -> None:
         num_blocks=args.num_blocks, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len)
-    engine = SimEngine(profile, args.model, speed=args.speed,
+    events = args.kv_events_config
+    publisher = SimEventPublisher(events) if events is not None and events.enabled else None
+    engine = SimEngine(profile, args.model, speed=args.speed, publisher=publisher,
                        scheduling_policy=args.scheduling_policy,
                        prompt_tokens_details=args.enable_prompt_tokens_details)
     connector = None if args.kv_connector is None else SimConnector(

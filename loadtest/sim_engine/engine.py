@@ -14,6 +14,7 @@ from prometheus_client import Counter
 from limits.clock import MONOTONIC
 from limits.interfaces import Clock
 from loadtest.sim_engine.kv_cache import KVCache
+from loadtest.sim_engine.kv_events import SimEventPublisher
 from loadtest.sim_engine.metrics import sim_metrics
 from loadtest.sim_engine.profiles import Profile
 from loadtest.sim_engine.scheduler import Scheduler, SimRequest
@@ -32,6 +33,8 @@ class SimEngine:
         scheduling_policy: ``fcfs`` or ``priority`` (vLLM ``--scheduling-policy``).
         prompt_tokens_details: report ``usage.prompt_tokens_details.cached_tokens``
             (vLLM ``--enable-prompt-tokens-details``).
+        publisher: publishes the KV cache's events after every step (vLLM's
+            ``--kv-events-config``); None: no events.
 
     Attributes:
         priorities: ``sim:requests_by_priority_total{priority}``, a series vLLM does
@@ -41,6 +44,7 @@ class SimEngine:
 
     def __init__(self, profile: Profile, model_name: str, speed: float = 1.0,
                  clock: Clock = MONOTONIC, *, scheduling_policy: str = "fcfs",
+                 publisher: SimEventPublisher | None = None,
                  prompt_tokens_details: bool = False) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
@@ -54,7 +58,8 @@ class SimEngine:
         self.model_name = model_name
         self.speed = speed
         self.clock = clock
-        self.kv = KVCache(profile.num_blocks, profile.block_size)
+        self.publisher = publisher
+        self.kv = KVCache(profile.num_blocks, profile.block_size, events=publisher is not None)
         self.scheduler = Scheduler(profile, self.kv, scheduling_policy)
         self.prompt_tokens_details = prompt_tokens_details
         self.metrics = sim_metrics(self.scheduler, model_name)
@@ -114,3 +119,7 @@ class SimEngine:
                     self.metrics.ttft.observe((now - req.arrival_s) * self.speed)
                 else:
                     self.metrics.itl.observe(req.last_itl_s * self.speed)
+            if self.publisher is not None:
+                events = self.kv.take_events()
+                if events:
+                    self.publisher.publish(events)

@@ -8,6 +8,12 @@ reserved as the null block, usage = 1 − free / (num_blocks − 1)) and
 cached leading blocks, capped at ``num_tokens − 1`` so the last prompt token is always
 recomputed; ``allocate_slots``; ``free`` releasing a request's blocks tail first so
 that the tail of a prompt is evicted before its shared head).
+
+With ``events=True`` it also queues vLLM's KV-cache events
+(``vllm/v1/core/block_pool.py``: ``BlockStored`` when full blocks enter the prefix
+cache, with their token ids, parent hash and the ``cache_salt`` as the first block's
+extra key; ``BlockRemoved`` when a cached block is evicted for reuse) for the engine
+to publish after each step (:meth:`KVCache.take_events`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from engines.kv_events import BlockRemoved, BlockStored, Event
+
+#: The ``medium`` vLLM's block pool reports (``MEDIUM_GPU`` in ``kv_events.py``).
+MEDIUM = "GPU"
 
 
 @dataclass(eq=False)
@@ -36,7 +47,7 @@ class KVCache:
     block that a new request matches is taken out of the queue again (a hit).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, events: bool = False) -> None:
         if num_blocks < 2 or block_size < 1:
             raise ValueError("need num_blocks >= 2 and block_size >= 1")
         self.num_blocks = num_blocks
@@ -46,6 +57,7 @@ class KVCache:
             (b.block_id, b) for b in self._blocks[1:])
         self._cached: dict[int, Block] = {}
         self.evictions = 0
+        self._events: list[Event] | None = [] if events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -93,6 +105,8 @@ class KVCache:
             if block.block_hash is not None:
                 if self._cached.get(block.block_hash) is block:
                     del self._cached[block.block_hash]
+                    if self._events is not None:
+                        self._events.append(BlockRemoved([block.block_hash], MEDIUM))
                 block.block_hash = None
                 self.evictions += 1
             block.ref_cnt = 1
@@ -107,10 +121,46 @@ class KVCache:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_blocks(self, blocks: Sequence[Block], block_hashes: Sequence[int]) -> None:
+    def cache_blocks(self, blocks: Sequence[Block], block_hashes: Sequence[int],
+                     parent: int | None = None, token_ids: Sequence[int] = (),
+                     salt: str | None = None) -> None:
         """Register full ``blocks`` under ``block_hashes`` (pairwise). A hash already
-        cached keeps its existing block; the duplicate stays uncached."""
-        for block, h in zip(blocks, block_hashes, strict=False):
+        cached keeps its existing block; the duplicate stays uncached.
+
+        For events: ``parent`` is the hash of the block before ``blocks[0]`` (None
+        at the prompt's start), ``token_ids`` the blocks' tokens
+        (``block_size`` each), ``salt`` the request's ``cache_salt``. One
+        ``BlockStored`` is queued per run of newly cached blocks."""
+        run: list[int] = []  # indexes of the current run of newly cached blocks
+        for i, (block, h) in enumerate(zip(blocks, block_hashes, strict=False)):
             if block.block_hash is None and h not in self._cached:
                 block.block_hash = h
                 self._cached[h] = block
+                if self._events is not None:
+                    if run and run[-1] != i - 1:
+                        self._stored(run, block_hashes, parent, token_ids, salt)
+                        run = []
+                    run.append(i)
+        if run:
+            self._stored(run, block_hashes, parent, token_ids, salt)
+
+    def _stored(self, run: list[int], hashes: Sequence[int], parent: int | None,
+                token_ids: Sequence[int], salt: str | None) -> None:
+        assert self._events is not None
+        first, bs = run[0], self.block_size
+        root = first == 0 and parent is None
+        extra: list[tuple[str, ...] | None] = [None] * len(run)
+        if root and salt:
+            extra[0] = (salt,)
+        self._events.append(BlockStored(
+            block_hashes=[hashes[i] for i in run],
+            parent_block_hash=hashes[first - 1] if first else parent,
+            token_ids=list(token_ids[first * bs:(run[-1] + 1) * bs]), block_size=bs,
+            lora_id=None, medium=MEDIUM, lora_name=None, extra_keys=extra))
+
+    def take_events(self) -> list[Event]:
+        """The events queued since the last call (empty without ``events``)."""
+        if not self._events:
+            return []
+        out, self._events = self._events, []
+        return out

@@ -63,6 +63,7 @@ class SimRequest:
             policy).
         notify: called (synchronously) after each step that produced a token for
             this request or finished it; the HTTP handler sets an event here.
+        token_ids, cache_salt: the prompt's tokens and salt (KV events report them).
         arrival_s, first_token_s, last_token_s: engine clock times, s.
         last_itl_s: time between the last two output tokens, s.
         external_tokens: leading prompt tokens whose KV a connector loaded from a
@@ -79,6 +80,8 @@ class SimRequest:
     max_tokens: int
     priority: int = 0
     notify: Callable[[], None] = _noop
+    token_ids: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
     arrival_s: float = 0.0
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
@@ -275,7 +278,9 @@ class Scheduler:
         full = min((req.num_computed_tokens + n) // self.kv.block_size, len(req.block_hashes))
         if full > req.num_registered_blocks:
             lo = req.num_registered_blocks
-            self.kv.cache_blocks(req.blocks[lo:full], req.block_hashes[lo:full])
+            self.kv.cache_blocks(req.blocks[lo:full], req.block_hashes[lo:full],
+                                 req.block_hashes[lo - 1] if lo else None,
+                                 req.token_ids[lo * self.kv.block_size:], req.cache_salt)
             req.num_registered_blocks = full
 
     def _add_to_plan(self, plan: StepPlan, req: SimRequest, n: int) -> None:

@@ -99,11 +99,17 @@ async def serve(engine: SimEngine, host: str, port: int,
 
 
 async def _engine_loop(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(app[ENGINE].run())
+    engine = app[ENGINE]
+    tasks = [asyncio.create_task(engine.run())]
+    if engine.publisher is not None:
+        tasks.append(asyncio.create_task(engine.publisher.serve_replay()))
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    if engine.publisher is not None:
+        engine.publisher.close()
     if CONNECTOR in app:
         await app[CONNECTOR].close()
 
@@ -114,10 +120,10 @@ def _error(exc: RequestError, dialect: Dialect) -> web.Response:
     return web.Response(body=dumps(body), status=exc.status, content_type="application/json")
 
 
-def _tokens_and_hashes(parsed: ParsedRequest, block_size: int) -> tuple[int, list[int]]:
+def _tokens_and_hashes(parsed: ParsedRequest, block_size: int) -> tuple[list[int], list[int]]:
     tokens = (parsed.prompt_token_ids if parsed.prompt_token_ids is not None
               else fallback_tokenize(parsed.prompt_text or ""))
-    return len(tokens), chain_block_hashes(tokens, block_size, parsed.cache_salt)
+    return tokens, chain_block_hashes(tokens, block_size, parsed.cache_salt)
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
@@ -138,10 +144,11 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         parsed = (parse_chat if chat else parse_completion)(body, engine.model_name)
         size = len(parsed.prompt_token_ids or parsed.prompt_text or "")
         if size > INLINE_PROMPT_LIMIT:
-            n_prompt, hashes = await asyncio.to_thread(
+            tokens, hashes = await asyncio.to_thread(
                 _tokens_and_hashes, parsed, engine.profile.block_size)
         else:
-            n_prompt, hashes = _tokens_and_hashes(parsed, engine.profile.block_size)
+            tokens, hashes = _tokens_and_hashes(parsed, engine.profile.block_size)
+        n_prompt = len(tokens)
         max_tokens = check_length(n_prompt, parsed.max_tokens, engine.profile.max_model_len)
         params = body.get("kv_transfer_params")
         if params is not None and not isinstance(params, dict):
@@ -160,7 +167,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     shape = ResponseShape(chat, engine.model_name, request.headers.get("X-Request-Id"))
     wake = asyncio.Event()
     reqs = [SimRequest(engine_request_id(shape.id if parsed.n == 1 else f"{shape.id}-{i}"),
-                       n_prompt, hashes, max_tokens, priority=priority, notify=wake.set)
+                       n_prompt, hashes, max_tokens, priority=priority, notify=wake.set,
+                       token_ids=tokens if engine.publisher is not None else [],
+                       cache_salt=parsed.cache_salt)
             for i in range(parsed.n)]
     engine.priorities.labels(str(priority)).inc()
     arrival = engine.clock.now()

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.overhead import CELLS, METRICS, PATHS
+from loadtest.overhead import CELLS, METRICS, NO_TURN_CACHE, PATHS, _long_available
 
 ROOT = Path(__file__).resolve().parents[2]
+SHORT = [c for c in CELLS if c != "long"]
 
 
 @pytest.mark.timeout(300)
@@ -23,13 +24,13 @@ def test_overhead_json_shape(tmp_path: Path, observability: str) -> None:
     subprocess.run(
         [sys.executable, "-m", "loadtest", "overhead", "--json", str(out),
          "--duration", "0.3", "--warmup", "0.1", "--observability", observability,
-         "--gateway-log", str(tmp_path / "gateway.log")],
+         "--cells", ",".join(SHORT), "--gateway-log", str(tmp_path / "gateway.log")],
         cwd=ROOT, check=True, timeout=280, capture_output=True,
     )
     doc = json.loads(out.read_text())
     for path in PATHS:
-        assert set(CELLS) <= set(doc[path]), path
-        for cell in CELLS:
+        assert set(SHORT) == set(doc[path]), path
+        for cell in SHORT:
             r = doc[path][cell]
             for key in METRICS:
                 assert isinstance(r[key], (int, float)), (path, cell, key, r)
@@ -38,3 +39,22 @@ def test_overhead_json_shape(tmp_path: Path, observability: str) -> None:
     assert isinstance(doc["ratio_gateway_passthrough_c64"], float)
     assert isinstance(doc["added_p50_ms_c1"], float)
     assert doc["meta"]["observability"] == observability
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _long_available(), reason="prepared gemma3-270m model not present")
+def test_overhead_long_cell(tmp_path: Path) -> None:
+    """The long cell runs on the gateway with and without the turn cache; a request
+    whose earlier turns are cached costs the gateway less CPU."""
+    out = tmp_path / "overhead.json"
+    subprocess.run(
+        [sys.executable, "-m", "loadtest", "overhead", "--json", str(out), "--duration", "4",
+         "--warmup", "2", "--cells", "long", "--paths", "gateway"],
+        cwd=ROOT, check=True, timeout=280, capture_output=True,
+    )
+    doc = json.loads(out.read_text())
+    for path in ("gateway", NO_TURN_CACHE):
+        r = doc[path]["long"]
+        assert r["rps"] > 0 and r["errors"] == 0, (path, r)
+    cpu = doc["long_cpu_ms_per_req"]
+    assert 0 < cpu["turn_cache"] < cpu["no_turn_cache"], cpu
