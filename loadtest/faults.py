@@ -72,6 +72,7 @@ from loadtest.harness import (
     write_config,
 )
 from loadtest.launch import RedisServer, RunningGateway, gateway
+from loadtest.report import write_json
 
 TENANTS = [
     tenant_entry("chat", priority="interactive", max_concurrent=16, requests_per_min=100_000,
@@ -402,8 +403,5 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    report = asyncio.run(run(args))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    write_json(args.json, asyncio.run(run(args)))
     return 0

@@ -56,6 +56,7 @@ from loadtest.harness import (
     write_config,
 )
 from loadtest.launch import gateway
+from loadtest.report import write_json
 
 #: Tenants of the fuzz stand: no limits; an output cap (``max_output_tokens``, the
 #: output-cap field rules); tokens/min, requests/min and a concurrency lease.
@@ -390,8 +391,5 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    report = asyncio.run(run(args))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    write_json(args.json, asyncio.run(run(args)))
     return 0

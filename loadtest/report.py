@@ -3,6 +3,7 @@ reason, per-engine load and prefix hit rate) and PNG plots."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,3 +210,11 @@ def plot(results: list[Result], engines: list[EngineStats], out_dir: Path) -> li
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
+
+
+def write_json(path: str | Path, report: Any) -> None:
+    """Write a benchmark's report as indented JSON, creating its folder, and print it."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import tempfile
@@ -42,6 +41,7 @@ import psutil
 from loadtest import overload
 from loadtest.harness import SHED_CODES
 from loadtest.launch import gateway
+from loadtest.report import write_json
 
 
 def server_error(o: overload.Outcome) -> bool:
@@ -131,8 +131,5 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    report = asyncio.run(run(args))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    write_json(args.json, asyncio.run(run(args)))
     return 0
