@@ -4,9 +4,9 @@ held at ``--load`` × capacity for ``--minutes``.
 The stand and workload are the overload benchmark's (``loadtest.overload``):
 ``--engines`` simulated engines (default 4, profile ``cpu-gemma3-270m``, speed 1),
 the ``mixed-tenants`` workload (interactive ``acme``, standard ``globex``, batch
-``initech``), open-loop Poisson arrivals, the gateway configured as there
-(``saturation.max_in_flight`` = the probe's batch, interactive reserve 3, queue 256,
-the same per-priority queue waits). Capacity is measured first as in that benchmark:
+``initech``), open-loop Poisson arrivals, the gateway with the shipped saturation
+defaults (adaptive per-engine admission, no ``max_in_flight``) and the overload
+benchmark's queue (256) and per-priority queue waits. Capacity is measured first as in that benchmark:
 a closed loop of ``--per-engine`` concurrent requests per engine straight to the
 engines for ``--probe-s`` s (default 30, the first third a warm-up); capacity is the
 rate they complete requests at (not goodput: at that batch most requests miss the
@@ -74,9 +74,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"probe: {probe}", file=sys.stderr, flush=True)
                 capacity = probe["completed_per_s"]
             await engines.wait_idle(session)
-            cfg = overload.write_gateway_config(
-                out_dir / "config", engines.urls, ov,
-                {"max_in_flight": args.per_engine, "interactive_reserve": ov.interactive_reserve})
+            cfg = overload.write_gateway_config(out_dir / "config", engines.urls, ov, {})
             specs = overload.workload(args.load * capacity, duration, ov, seed=args.seed)
             with gateway(cfg, log_path=out_dir / "gateway.log", ready_timeout_s=60) as gw:
                 proc = psutil.Process(gw.proc.pid)
@@ -106,7 +104,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "shed": dict(sorted(Counter(f"{o.status}:{o.error_code}" for o in outcomes
                                     if o not in ok).items())),
         "config": {"engines": args.engines, "profile": ov.profile, "speed": ov.speed,
-                   "max_in_flight": args.per_engine, "max_output_tokens": args.max_output_tokens},
+                   "saturation": "shipped defaults (adaptive admission)",
+                   "max_output_tokens": args.max_output_tokens},
     })
     return report
 
@@ -119,7 +118,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--load", type=float, default=10.0, help="offered load, × capacity")
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--per-engine", type=int, default=8,
-                   help="probe batch per engine, and the gateway's max_in_flight")
+                   help="probe batch per engine (the capacity probe)")
     p.add_argument("--probe-s", type=float, default=30.0, help="capacity probe, s")
     p.add_argument("--capacity", type=float, help="req/s: skip the probe")
     p.add_argument("--max-output-tokens", type=int, default=128)

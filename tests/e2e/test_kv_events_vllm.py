@@ -19,6 +19,7 @@ from config.schema import Config, EnginesConfig, GatewayConfig, TenantsConfig
 from gateway.keys import SCHEDULER
 from loadtest.workloads.base import synthetic_text
 from tests.integration.conftest import run_gateway
+from tests.support import wait_for
 
 pytestmark = pytest.mark.slow
 SHIPPED = Path(__file__).resolve().parents[2] / "config" / "engines.yaml"
@@ -37,11 +38,6 @@ def config() -> Config:
                   tenants=TenantsConfig.model_validate({"allow_anonymous": True}))
 
 
-async def until(predicate, timeout_s: float) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.1)
-
 
 async def test_vllm_reports_a_long_prompt_stored_and_the_index_scores_it() -> None:
     cfg = config()
@@ -49,7 +45,7 @@ async def test_vllm_reports_a_long_prompt_stored_and_the_index_scores_it() -> No
         await gw.wait_ready(1, timeout_s=300)
         engine = gw.pool.engines[0]
         index = gw.app[SCHEDULER].index
-        await until(lambda: index.synced(engine), 30)
+        await wait_for(lambda: index.synced(engine), 30)
         body = {"model": engine.model, "max_tokens": 2,
                 "messages": [{"role": "user", "content": synthetic_text("e2e-kv", 1500)}]}
         cached, predicted = [], []
@@ -60,7 +56,7 @@ async def test_vllm_reports_a_long_prompt_stored_and_the_index_scores_it() -> No
             cached.append(usage["prompt_tokens_details"]["cached_tokens"])
             predicted.append(dict(p.split("=") for p in
                                   r.headers["x-sluice-prefix-tokens"].split(", ")))
-            await until(lambda: index.entries(engine.id) > 0, 10)  # BlockStored arrived
+            await wait_for(lambda: index.entries(engine.id) > 0, 10)  # BlockStored arrived
             await asyncio.sleep(0.05)
         assert cached[0] == 0 and int(predicted[0]["events"]) == 0
         assert cached[1] >= 1024  # vLLM served the repeat from its prefix cache

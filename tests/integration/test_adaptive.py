@@ -10,8 +10,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 
 import aiohttp
 import psutil
@@ -25,6 +23,7 @@ from tests.integration.limits_support import (
     tenant,
     write_config,
 )
+from tests.support import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -83,13 +82,6 @@ def mode(m: dict[str, float], engine: str) -> str | None:
     return None
 
 
-async def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():  # type: ignore[misc]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.25)
-
 
 async def test_learned_limits_order_with_speed_fall_when_slowed_and_priority_is_forwarded(
         gateway) -> None:
@@ -116,7 +108,7 @@ async def test_learned_limits_order_with_speed_fall_when_slowed_and_priority_is_
                 return all(mode(m, e) == "model" for e in ("slow", "fast")) \
                     and 1 < seen["slow"] < seen["fast"]
 
-            await wait_for(learned, 90, "learned limits ordered as the speeds")
+            await wait_for(learned, 90, "learned limits ordered as the speeds", poll_s=0.25)
             before = dict(seen)
             m = await scrape(session, gateway.url)
             assert m['sluice_predicted_ttft_error_count{engine="fast",model="sim-model"}'] > 0
@@ -143,7 +135,7 @@ async def test_learned_limits_order_with_speed_fall_when_slowed_and_priority_is_
                 seen.update({e: limit(m, e) or 0 for e in ("slow", "fast")})
                 return seen["slow"] < before["slow"] and seen["fast"] < before["fast"] / 2
 
-            await wait_for(fell, 90, f"limits to fall from {before}")
+            await wait_for(fell, 90, f"limits to fall from {before}", poll_s=0.25)
         finally:
             for w in workers:
                 w.cancel()

@@ -23,6 +23,7 @@ from loadtest.sim_engine.server import create_app
 from tests.conftest import free_port
 from tests.integration.conftest import FAST_SUPERVISOR, run_gateway
 from tests.integration.fake_engine import FakeEngine
+from tests.support import wait_for
 
 MODEL = "sim-pd"
 PROFILE = get_profile("cpu-gemma3-270m")
@@ -94,14 +95,9 @@ async def fleet(roles: list[str], *, speed: float = 50.0, fakes: dict[str, str] 
             tenants=TenantsConfig.model_validate(tenants or {"allow_anonymous": True}))
         gw = await stack.enter_async_context(run_gateway(cfg))
         await gw.wait_ready(len(specs))
-        await wait_for(lambda: all(e.metrics is not None for e in gw.pool.engines))
+        await wait_for(lambda: all(e.metrics is not None for e in gw.pool.engines), 10)
         yield gw, sims, fake_engines
 
-
-async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 async def gateway_metrics(gw) -> dict[tuple[str, tuple], float]:
@@ -143,7 +139,7 @@ async def test_split_request_follows_vllm_protocol_field_by_field():
         # the decode engine read the blocks; the prefill engine freed them
         assert d.engine.scheduler.counters.external_kv_tokens > 0
         assert p.connector.held_requests == 0
-        await wait_for(lambda: idle(gw))
+        await wait_for(lambda: idle(gw), 10)
 
 
 async def test_accounting_is_charged_once():
@@ -168,7 +164,7 @@ async def test_prefill_failure_retries_on_another_prefill_engine():
             assert r.headers["x-sluice-prefill-engine"] == "prefill0"
         assert len(fakes["bad"].received) == 1 and len(p.received) == 1
         assert "kv_transfer_params" in d.received[0]
-        await wait_for(lambda: idle(gw))
+        await wait_for(lambda: idle(gw), 10)
 
 
 async def test_every_prefill_failing_leaves_the_prefill_to_the_decode_engine():
@@ -180,7 +176,7 @@ async def test_every_prefill_failing_leaves_the_prefill_to_the_decode_engine():
         assert len(fakes["bad"].received) == 1
         assert "kv_transfer_params" not in d.received[0]
         assert d.engine.scheduler.counters.external_kv_tokens == 0
-        await wait_for(lambda: idle(gw))
+        await wait_for(lambda: idle(gw), 10)
 
 
 async def test_decode_failure_before_first_byte_retries_on_another_decode_engine():
@@ -193,17 +189,17 @@ async def test_decode_failure_before_first_byte_retries_on_another_decode_engine
         params = fakes["bad"].received[0]["kv_transfer_params"]
         assert d.received[0]["kv_transfer_params"] == params  # the same blocks
         assert d.engine.scheduler.counters.external_kv_tokens > 0
-        await wait_for(lambda: idle(gw))
+        await wait_for(lambda: idle(gw), 10)
 
 
 async def test_disconnect_during_prefill_leg_aborts_it():
     async with fleet(["prefill", "decode"], speed=2.0) as (gw, (p, d), _):
         task = asyncio.create_task(gw.post("/v1/chat/completions", CHAT))
-        await wait_for(lambda: p.engine.scheduler.has_work)
+        await wait_for(lambda: p.engine.scheduler.has_work, 10)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await wait_for(lambda: not p.engine.scheduler.has_work)
-        await wait_for(lambda: idle(gw))
+        await wait_for(lambda: not p.engine.scheduler.has_work, 10)
+        await wait_for(lambda: idle(gw), 10)
         assert p.connector.held_requests == 0
         assert p.engine.kv.num_free_blocks == PROFILE.num_blocks - 1
         assert d.received == []
@@ -216,8 +212,8 @@ async def test_disconnect_during_decode_leg_aborts_it():
         await r.content.readuntil(b"\n\n")  # streaming from the decode engine
         assert d.engine.scheduler.has_work
         r.close()
-        await wait_for(lambda: not d.engine.scheduler.has_work)
-        await wait_for(lambda: idle(gw))
+        await wait_for(lambda: not d.engine.scheduler.has_work, 10)
+        await wait_for(lambda: idle(gw), 10)
         assert d.engine.kv.usage == 0.0  # every block freed
         assert len(p.received) == len(d.received) == 1
 
@@ -241,7 +237,7 @@ async def test_prompt_cached_on_a_decode_engine_skips_the_prefill_leg():
         assert len(p.received) == 1
         assert len(d.received) == 3 and "kv_transfer_params" not in d.received[2]
         busy.close()
-        await wait_for(lambda: idle(gw))
+        await wait_for(lambda: idle(gw), 10)
 
 
 async def test_a_multi_sequence_request_is_not_split():

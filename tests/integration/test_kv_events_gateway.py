@@ -6,7 +6,6 @@ restarted engine's entries are cleared and rebuilt from the new process."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -15,6 +14,7 @@ from gateway.app import SUPERVISOR
 from gateway.keys import SCHEDULER
 from loadtest.workloads.base import synthetic_text
 from tests.integration.conftest import FAST_SUPERVISOR, run_gateway
+from tests.support import wait_for
 
 MODEL = "sim-model"
 SIM_ARGS = ["--profile", "h200-llama3-8b", "--num-blocks", "2048", "--max-model-len", "8192",
@@ -33,11 +33,6 @@ def events_config(source: str = "events", cache_salt: bool = True) -> Config:
         tenants=TenantsConfig.model_validate({"allow_anonymous": True}),
     )
 
-
-async def until(predicate, timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.02)
 
 
 async def ask(gw, text: str) -> tuple[str, dict[str, int], dict[str, Any]]:
@@ -58,13 +53,13 @@ async def test_repeated_prompt_is_scored_from_engine_events() -> None:
             assert flag["enable_kv_cache_events"] and flag["endpoint"].startswith("tcp://*:")
             assert runner.engine.kv_events.replay == flag["replay_endpoint"]
         index = gw.app[SCHEDULER].index
-        await until(lambda: all(index.synced(e) for e in gw.pool.engines))
+        await wait_for(lambda: all(index.synced(e) for e in gw.pool.engines), 10)
         text = synthetic_text("kv-events", 3000)
         first, predicted, usage = await ask(gw, text)
         assert predicted == {"events": 0, "approximate": 0}
         assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
         engine = gw.pool.get(first)
-        await until(lambda: index.entries(first) > 0)  # the engine reported it stored
+        await wait_for(lambda: index.entries(first) > 0, 10)  # the engine reported it stored
         index.predicted.forget(first)  # score from the engine's report alone
         second, predicted, usage = await ask(gw, text)
         cached = usage["prompt_tokens_details"]["cached_tokens"]
@@ -80,8 +75,8 @@ async def test_repeated_prompt_is_scored_from_engine_events() -> None:
         runner = next(r for r in sup.runners if r.engine is engine)
         generation = engine.generation
         runner.process.kill()
-        await until(lambda: engine.generation > generation and engine.routable, 30)
-        await until(lambda: index.synced(engine))
+        await wait_for(lambda: engine.generation > generation and engine.routable, 30)
+        await wait_for(lambda: index.synced(engine), 10)
         assert index.entries(first) == 0
         _, predicted, usage = await ask(gw, text)  # no engine holds it now
         assert predicted["events"] == usage["prompt_tokens_details"]["cached_tokens"] == 0
@@ -102,14 +97,14 @@ async def test_requests_that_reached_an_engine_another_way_are_seen() -> None:
     gateway); the gateway then sends each prompt to the engine that holds it."""
     async with run_gateway(events_config(cache_salt=False)) as gw:
         index = gw.app[SCHEDULER].index
-        await until(lambda: all(index.synced(e) for e in gw.pool.engines))
+        await wait_for(lambda: all(index.synced(e) for e in gw.pool.engines), 10)
         texts = {e.id: synthetic_text(f"direct-{e.id}", 2000) for e in gw.pool.engines}
         for engine in gw.pool.engines:
             body = {"model": MODEL, "max_tokens": 2,
                     "messages": [{"role": "user", "content": texts[engine.id]}]}
             async with gw.session.post(engine.base_url + "/v1/chat/completions", json=body) as r:
                 assert r.status == 200
-            await until(lambda e=engine: index.entries(e.id) > 0)
+            await wait_for(lambda e=engine: index.entries(e.id) > 0, 10)
         for engine in gw.pool.engines:
             chosen, predicted, usage = await ask(gw, texts[engine.id])
             cached = usage["prompt_tokens_details"]["cached_tokens"]

@@ -7,7 +7,7 @@ disconnect during the prefill leg, and roles."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -20,6 +20,7 @@ from loadtest.sim_engine.__main__ import parse_args
 from loadtest.sim_engine.disagg import SimConnector
 from loadtest.sim_engine.protocol import render_chat
 from tests.conftest import free_port
+from tests.support import wait_for
 
 MODEL = "sim-pd"
 PROFILE = get_profile("cpu-gemma3-270m")  # 128-token blocks, 18 KiB per token
@@ -55,11 +56,6 @@ async def sim(role: str, **kw) -> AsyncIterator[Sim]:
         finally:
             await runner.cleanup()
 
-
-async def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 def prefill_body(max_tokens: int = 6) -> dict:
