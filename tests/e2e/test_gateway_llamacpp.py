@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import signal
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,6 +19,7 @@ import pytest
 from engines.kinds import KINDS
 from engines.kinds.llamacpp import server_binary
 from loadtest.launch import RunningGateway, gateway, llamacpp_config
+from tests.support import wait_for_sync
 
 pytestmark = pytest.mark.slow
 MODEL = "gemma3-270m"
@@ -115,13 +115,8 @@ def test_real_metrics_page_parses_and_gateway_shows_signals(served, client):
 def test_engine_killed_is_restarted(served, client):
     (victim,) = served.engine_processes()
     victim.send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if httpx.get(served.url + "/ready", timeout=2).status_code == 503:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError("the killed engine was not marked unhealthy")
+    wait_for_sync(lambda: httpx.get(served.url + "/ready", timeout=2).status_code == 503,
+                  30, "the killed engine marked unhealthy")
     served.wait_ready(120)
     assert served.engine_processes()[0].pid != victim.pid
     stream = client.chat.completions.create(

@@ -30,6 +30,7 @@ from tests.integration.limits_support import (
     tenant,
     write_config,
 )
+from tests.support import wait_for, wait_for_sync
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,15 +48,14 @@ def bare_engine():
          str(port), "--model", "bare-model", "--speed", "20"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
+    def up() -> bool:
+        assert proc.poll() is None, "bare engine exited"
         try:
-            if httpx.get(url + "/v1/models", timeout=1).status_code == 200:
-                break
+            return httpx.get(url + "/v1/models", timeout=1).status_code == 200
         except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline and proc.poll() is None, "bare engine did not start"
-        time.sleep(0.1)
+            return False
+
+    wait_for_sync(up, 30, "the bare engine to start")
     yield url
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(10)
@@ -86,15 +86,17 @@ def _samples(text: str, name: str) -> dict[str, float]:
 
 async def _wait_signals(session: aiohttp.ClientSession, url: str) -> str:
     """The gateway's /metrics once every scraped engine has reported its running count."""
-    deadline = asyncio.get_running_loop().time() + 20
-    while True:
+    text = ""
+
+    async def reported() -> bool:
+        nonlocal text
         async with session.get(url + "/metrics") as r:
             text = await r.text()
         sig = _samples(text, "sluice_engine_signals")
-        if all(sig.get(f'engine="{e}",signal="running"') == 1.0 for e in "vstrl"):
-            return text
-        assert asyncio.get_running_loop().time() < deadline, text[-3000:]
-        await asyncio.sleep(0.2)
+        return all(sig.get(f'engine="{e}",signal="running"') == 1.0 for e in "vstrl")
+
+    await wait_for(reported, 20, "every engine's running count", poll_s=0.2)
+    return text
 
 
 async def test_every_dialect_serves_and_reports_its_signals(gateway) -> None:
