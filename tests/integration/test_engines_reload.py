@@ -26,7 +26,7 @@ import yaml
 
 from config.loader import load_config
 from engines.pool import EngineState
-from gateway.keys import DIRECTOR, RELOADER, SUPERVISOR
+from gateway.keys import DIRECTOR, RELOADER, SCHEDULER, SUPERVISOR
 from tests.conftest import free_port
 from tests.integration.conftest import FAST_SUPERVISOR, run_gateway
 from tests.support import wait_for, wait_for_sync
@@ -63,9 +63,10 @@ def config_dir(tmp_path: Path, engines: list[dict[str, Any]],
     return tmp_path
 
 
-def body(model: str = MODEL, max_tokens: int = 4, stream: bool = False) -> dict[str, Any]:
+def body(model: str = MODEL, max_tokens: int = 4, stream: bool = False,
+         content: str = "hello there") -> dict[str, Any]:
     out: dict[str, Any] = {"model": model, "max_tokens": max_tokens,
-                           "messages": [{"role": "user", "content": "hello there"}]}
+                           "messages": [{"role": "user", "content": content}]}
     if stream:
         out.update(stream=True, stream_options={"include_usage": True})
     return out
@@ -139,6 +140,7 @@ async def test_engines_added_changed_and_removed_by_editing_the_file(tmp_path: P
         r = await gw.post("/v1/chat/completions", body("other-model"))
         assert r.status == 200 and r.headers["x-sluice-engine"] == "b", await r.text()
         assert 'sluice_engine_kv_events_synced{engine="b"' in await metrics_text(gw)
+        index = gw.app[SCHEDULER].index
 
         first = next(x for x in sup.runners if x.engine is b).process
         write_engines(directory, [sim("a"), {**sim("b", model="other-model"), "args": [
@@ -148,8 +150,12 @@ async def test_engines_added_changed_and_removed_by_editing_the_file(tmp_path: P
                        and gw.pool.get("b").routable, 60, "the new b healthy")
         assert first.returncode is not None  # the old process was stopped first
         assert "--speed 8" in " ".join(sup.runners[-1].process.argv)
-        r = await gw.post("/v1/chat/completions", body("other-model"))
+        long = body("other-model", content="a long prompt " * 200)  # 600 tokens: 4 blocks
+        r = await gw.post("/v1/chat/completions", long)
         assert r.status == 200 and r.headers["x-sluice-engine"] == "b"
+        b = gw.pool.get("b")
+        await wait_for(lambda: index.entries("b") > 0, 10, "b's reported blocks")
+        assert index.approximate.entries("b") > 0
 
         second = sup.runners[-1].process
         write_engines(directory, [sim("a")], **events)
@@ -159,6 +165,8 @@ async def test_engines_added_changed_and_removed_by_editing_the_file(tmp_path: P
         assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
         await wait_for(lambda: gw.pool.get("b") is None, 30, "b retired")
         assert second.returncode is not None
+        assert index.entries("b") == index.approximate.entries("b") == 0
+        assert index.predicted.entries("b") == 0 and b.latency is not None
         assert [x.engine.id for x in sup.runners] == ["a"]
         text = await metrics_text(gw)
         assert 'engine="b"' not in text
