@@ -173,7 +173,9 @@ class Placer:
 
     def within_slo(self, engines: list[Engine], need: Need, now: float) -> list[Engine]:
         """The engines predicted to serve ``need`` within its band's SLO
-        (:func:`limits.engine_latency.decide`), keeping room for more urgent bands.
+        (:func:`limits.engine_latency.decide`), keeping room for more urgent bands;
+        bursts pass while the model's long-run occupancy (all bands, per ready
+        engine) is under the knee.
 
         Raises:
             Rejected: ``OVERLOADED`` (reason ``predicted_miss``) when, with every
@@ -202,10 +204,13 @@ class Placer:
                            f"{target.ttft_s:g} s TTFT target any more; shed",
                            retry_after_s=self.retry_after(model), reason="predicted_miss")
         band = PRIORITIES.index(priority)
-        urgent = self.band_demand(model).urgent_reserve(priority) / max(1, len(ready))
+        demand = self.band_demand(model)
+        per_engine = max(1, len(ready))
+        urgent = demand.urgent_reserve(priority) / per_engine
+        sustained = demand.total_occupancy() / per_engine
         return [e for e in engines if e.latency is None or e.latency.decide(
             self.uncached(e, need.sched, now), budget, target.tpot_s, engine_load(e),
-            max(0.0, urgent - e.latency.urgent_in_flight(band))).admit]
+            max(0.0, urgent - e.latency.urgent_in_flight(band)), sustained).admit]
 
     def place(self, need: Need, exclude: frozenset[str] = frozenset()) -> Placement | None:
         """Pick an engine with room for ``need`` (and, with adaptive admission, within
