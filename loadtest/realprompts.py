@@ -337,10 +337,10 @@ def main(argv: list[str]) -> int:
 
         changed["tenants.yaml"] = ("three tenants added, one per priority (interactive, "
                                    "standard, batch), for the overload run's bands")
-        with tempfile.TemporaryDirectory(prefix="sluice-realprompts-") as tmp:
-            with gateway(_config_dir(Path(tmp), args.engine_kind)) as gw:
-                (engine,) = gw.engine_urls()
-                result = asyncio.run(run(engine, gw.url, prompts, args, direct))
+        with tempfile.TemporaryDirectory(prefix="sluice-realprompts-") as tmp, \
+                gateway(_config_dir(Path(tmp), args.engine_kind)) as gw:
+            (engine,) = gw.engine_urls()
+            result = asyncio.run(run(engine, gw.url, prompts, args, direct))
     result = {"engine_kind": args.engine_kind, "direct_headers": direct, "limit": args.limit,
               **result, "config": {"changed": changed}}
     args.json.parent.mkdir(parents=True, exist_ok=True)
