@@ -362,6 +362,7 @@ def test_band_demand_is_arrival_rate_times_service_time() -> None:
     assert d.urgent_occupancy("batch") == pytest.approx(10.0, rel=0.1)
     assert d.urgent_reserve("batch") == pytest.approx(10.0 + 10.0 ** 0.5, rel=0.1)
     assert d.urgent_reserve("interactive") == 0
+    assert d.total_occupancy() == pytest.approx(10.0, rel=0.1)  # batch had none
     eng = EngineLatency(LatencyModel(), clock)
     eng.sent(10, 10, 0.1, band=0)
     eng.sent(10, 10, 0.1, band=2)
