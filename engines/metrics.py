@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engines.kinds import SIGNALS, EngineKind, present
 from engines.pool import Engine, EnginePool, MetricsSnapshot
 from limits.clock import MONOTONIC
+from limits.engine_latency import EngineCounters
 from limits.interfaces import Clock
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,11 @@ PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
 CACHE_CONFIG = "vllm:cache_config_info"
 GENERATION = "vllm:generation_tokens"
+PROMPT_TOKENS = "vllm:prompt_tokens"
+#: Histograms whose ``_sum``/``_count`` feed the adaptive admission's model.
+ITL = "vllm:inter_token_latency_seconds"
+PREFILL_TIME = "vllm:request_prefill_time_seconds"
+COMPUTED_TOKENS = "vllm:request_prefill_kv_computed_tokens"
 
 
 @dataclass
@@ -43,7 +49,8 @@ class _Series:
 #: Sample lines worth parsing start with one of these; vLLM's full exposition is
 #: ~55 kB of mostly histograms, which prometheus_client parses in tens of ms.
 _WANTED = (KV_USAGE, KV_USAGE_OLD, RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG,
-           GENERATION)
+           GENERATION, PROMPT_TOKENS + "_total", PROMPT_TOKENS + " ", PROMPT_TOKENS + "{",
+           *(h + s for h in (ITL, PREFILL_TIME, COMPUTED_TOKENS) for s in ("_sum", "_count")))
 
 
 def _collect(text: str) -> dict[str, _Series]:
@@ -84,6 +91,9 @@ def parse_metrics(text: str, at: float) -> MetricsSnapshot:
     comes from the first label set. ``vllm:kv_cache_usage_perc`` wins over the older
     ``vllm:gpu_cache_usage_perc`` when both appear; counters are accepted with or
     without the ``_total`` suffix. Absent metrics keep the snapshot's defaults.
+    ``counters`` holds the sums and counts of the inter-token latency, prefill time
+    and computed-tokens histograms and the prompt-token counter when the ITL or
+    prefill-time histogram is there (None otherwise).
 
     Args:
         text: the body of ``GET /metrics`` (Prometheus text format 0.0.4).
@@ -98,7 +108,20 @@ def parse_metrics(text: str, at: float) -> MetricsSnapshot:
         s = series.get(name)
         return sum(s.values) if s else 0.0
 
+    def maybe(name: str) -> float | None:
+        return total(name) if name in series else None
+
     usage = series.get(KV_USAGE) or series.get(KV_USAGE_OLD)
+    running, waiting = int(total(RUNNING)), int(total(WAITING))
+    counters = None
+    if f"{ITL}_count" in series or f"{PREFILL_TIME}_count" in series:
+        counters = EngineCounters(
+            at=at, load=running + waiting, running=running,
+            itl_sum_s=maybe(f"{ITL}_sum"), itl_count=maybe(f"{ITL}_count"),
+            prefill_sum_s=maybe(f"{PREFILL_TIME}_sum"),
+            prefill_count=maybe(f"{PREFILL_TIME}_count"),
+            computed_tokens=maybe(f"{COMPUTED_TOKENS}_sum"),
+            prompt_tokens=maybe(PROMPT_TOKENS), cached_tokens=total(PREFIX_HITS))
     block_size = num_blocks = None
     info = series.get(CACHE_CONFIG)
     if info:
@@ -111,8 +134,8 @@ def parse_metrics(text: str, at: float) -> MetricsSnapshot:
     return MetricsSnapshot(
         at=at,
         kv_cache_usage=sum(usage.values) / len(usage.values) if usage else None,
-        num_running=int(total(RUNNING)),
-        num_waiting=int(total(WAITING)),
+        num_running=running,
+        num_waiting=waiting,
         prefix_cache_queries=total(PREFIX_QUERIES),
         prefix_cache_hits=total(PREFIX_HITS),
         generation_tokens=total(GENERATION),
@@ -122,6 +145,7 @@ def parse_metrics(text: str, at: float) -> MetricsSnapshot:
                         waiting=WAITING in series,
                         prefix_hits=PREFIX_HITS in series and PREFIX_QUERIES in series,
                         block_size=block_size is not None, num_blocks=num_blocks is not None),
+        counters=counters,
     )
 
 

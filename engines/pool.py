@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from engines.breaker import CircuitBreaker
 from engines.kv_events import EventsEndpoint
-from limits.engine_latency import EngineLatency
+from limits.engine_latency import EngineCounters, EngineLatency
 
 
 class EngineState(enum.Enum):
@@ -48,6 +48,8 @@ class MetricsSnapshot:
         signals: the load signals this scrape held (names in
             :data:`engines.kinds.SIGNALS`); other dialects map their own names onto
             the fields above (:mod:`engines.kinds`).
+        counters: the engine's latency histograms and token counters (vLLM's), which
+            the engine's latency model learns from; None when not exported.
     """
 
     at: float
@@ -60,6 +62,7 @@ class MetricsSnapshot:
     block_size: int | None = None
     num_blocks: int | None = None
     signals: frozenset[str] = frozenset()
+    counters: EngineCounters | None = None
 
 
 @dataclass(eq=False)
@@ -194,7 +197,10 @@ class EnginePool:
             self.notify()
 
     def set_metrics(self, engine: Engine, snapshot: MetricsSnapshot) -> None:
+        """Store ``snapshot``; its histograms feed the engine's latency model."""
         engine.metrics = snapshot
+        if engine.latency is not None and snapshot.counters is not None:
+            engine.latency.scraped(snapshot.counters)
         self.notify()
 
     def lease(self, engine: Engine, blocks: int = 0) -> EngineLease:

@@ -183,7 +183,9 @@ class Placer:
 
     def within_slo(self, engines: list[Engine], need: Need, now: float) -> list[Engine]:
         """The engines predicted to serve ``need`` within its band's SLO
-        (:func:`limits.engine_latency.decide`), keeping room for more urgent bands.
+        (:func:`limits.engine_latency.decide`), keeping room for more urgent bands;
+        bursts pass while the long-run occupancy (all bands), shared among the ready
+        engines in proportion to their knees, is under each engine's knee.
 
         Raises:
             Rejected: ``OVERLOADED`` (reason ``predicted_miss``) when, with every
@@ -212,10 +214,15 @@ class Placer:
                            f"{target.ttft_s:g} s TTFT target any more; shed",
                            retry_after_s=self.retry_after(model), reason="predicted_miss")
         band = PRIORITIES.index(priority)
-        urgent = self.band_demand(model).urgent_reserve(priority) / max(1, len(ready))
+        demand = self.band_demand(model)
+        urgent = demand.urgent_reserve(priority) / max(1, len(ready))
+        # the long-run occupancy, shared among the engines as their knees are
+        knees = {e.id: e.latency.limit(target.tpot_s) for e in ready if e.latency is not None}
+        per_knee = demand.total_occupancy() / max(1, sum(knees.values()))
         return [e for e in engines if e.latency is None or e.latency.decide(
             self.uncached(e, need.sched, now), budget, target.tpot_s, engine_load(e),
-            max(0.0, urgent - e.latency.urgent_in_flight(band))).admit]
+            max(0.0, urgent - e.latency.urgent_in_flight(band)),
+            per_knee * knees.get(e.id, 0)).admit]
 
     def place(self, need: Need, exclude: frozenset[str] = frozenset()) -> Placement | None:
         """Pick an engine with room for ``need`` (and, with adaptive admission, within

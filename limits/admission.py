@@ -12,11 +12,15 @@ wait too (no backfilling, which would starve large or urgent requests).
 Bounds (:class:`config.schema.QueueConfig`): ``max_requests`` tickets and
 ``max_tokens`` estimated tokens. A ticket that does not fit sheds the lowest-priority
 newest queued ticket — possibly itself — with ``Rejected(OVERLOADED,
-reason="queue_full")``. A ticket predicted to miss its deadline — the tickets ahead
-of it (its band and more urgent ones) over the drain rate exceed the time it has
-left — is shed at once with ``Rejected(OVERLOADED, reason="predicted_miss")``
-rather than waiting to be served late (a request that misses its SLO only wastes
-capacity). ``Retry-After`` is the predicted drain time, ``ceil(backlog / drain
+reason="queue_full")``. A ticket predicted to miss its deadline — even one standard
+deviation faster than expected, the tickets ahead of it (its band and more urgent
+ones) and itself would not drain in the time it has left — is shed at once with
+``Rejected(OVERLOADED, reason="predicted_miss")`` rather than waiting to be served
+late (a request that misses its SLO only wastes capacity). The drain of ``k``
+tickets at rate ``μ`` takes ``k/μ`` s on average with standard deviation ``√k/μ``
+(the k-th arrival of a Poisson process: Gamma(k, μ)), so a short backlog — a burst
+at light load, drained in well under its deadline as often as not — is never shed
+on its mean. ``Retry-After`` is the predicted drain time, ``ceil(backlog / drain
 rate)`` seconds, at least 1, where the drain rate is an EWMA of admissions per
 second (:mod:`limits.drain_rate`).
 """
@@ -160,7 +164,7 @@ class AdmissionQueue(Generic[P]):
         if ticket.deadline <= now:
             raise self._timeout(ticket, 0.0)
         if self._service.rate() is not None and \
-                self.predicted_wait_s(ticket.priority) > ticket.deadline - now:
+                self.surely_late(ticket.priority, ticket.deadline - now):
             raise self._shed(ticket, predicted=True)
         self._loop = asyncio.get_running_loop()
         waiter = _Waiter(ticket, PRIORITIES.index(ticket.priority), place, undo,
@@ -212,6 +216,14 @@ class AdmissionQueue(Generic[P]):
             len(a) for a in self._arrivals[:PRIORITIES.index(priority) + 1])
         rate = self._service.rate() or self._drain.rate(self._clock.now())
         return (ahead + 1) / rate if rate > 0 else self.config.default_max_wait_s
+
+    def surely_late(self, priority: Priority, left_s: float) -> bool:
+        """Whether a new ``priority`` ticket would wait longer than ``left_s`` s even
+        one standard deviation faster than :meth:`predicted_wait_s`: ``(k − √k) / μ >
+        left_s`` for ``k`` tickets to drain (those ahead and itself) at rate ``μ``."""
+        k = sum(len(a) for a in self._arrivals[:PRIORITIES.index(priority) + 1]) + 1
+        rate = self._service.rate() or self._drain.rate(self._clock.now())
+        return rate > 0 and (k - math.sqrt(k)) / rate > left_s
 
     def retry_after_s(self) -> int:
         """Suggested ``Retry-After``: :meth:`predicted_wait_s` for the whole backlog,

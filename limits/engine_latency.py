@@ -13,7 +13,14 @@ The decision (:func:`decide`, pure): an engine takes a request when
 2. the predicted TPOT at one more request in flight — plus the room kept for more
    urgent bands (below) — plus ``z`` σ, stays within the tightest TPOT target among
    the requests already running there and the request's own; an engine with nothing
-   in flight always qualifies.
+   in flight always qualifies. A burst above that knee passes too when the long-run
+   load is below it: when the engine's expected occupancy by Little's law (all
+   bands, ``sustained``, which includes the urgent bands' mean) plus one meets the
+   rule, and TPOT̂ (mean) at one more request in flight now, plus the reserve, meets
+   the target. A request's TPOT is the
+   average over its decode of a batch that returns to the sustained level, so a
+   burst the engines would batch within their SLO is not held at the gateway; under
+   sustained overload the occupancy exceeds the knee and the margin applies.
 
 Room for more urgent bands: by Little's law a band occupies on average ``λ × S``
 requests in service (its arrival rate times its mean time on an engine); a request
@@ -38,6 +45,18 @@ batch a request decoded with is the time average of this engine's in-flight coun
 between its first token and its end (an integral kept by the ledger); the prefill
 interference is the uncached tokens of other requests that reached their first
 token meanwhile, per decode step.
+
+Where the engine exports its latency histograms (vLLM's
+``vllm:inter_token_latency_seconds``, ``vllm:request_prefill_time_seconds`` — the
+TTFT less the queue time, ``vllm:request_queue_time_seconds``, of the same request —
+and ``vllm:request_prefill_kv_computed_tokens``), each metrics scrape adds
+observations of every request the engine served since the previous one, whoever sent
+it (:meth:`EngineLatency.scraped`, :func:`interval_observations`): the mean
+inter-token latency is a TPOT sample at the interval's mean running + waiting count
+and its uncached prefill tokens per step; the mean prefill time of the requests that
+finished is a TTFT sample of a request's own computed prompt tokens with nothing
+queued ahead, at the mean running count. They arrive while requests still decode, so
+the model follows a change without waiting for generations to end.
 """
 
 from __future__ import annotations
@@ -66,7 +85,7 @@ class Verdict:
 def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens: int,
            decoding: int, in_flight: int, ttft_budget_s: float, tpot_target_s: float,
            tightest_running_tpot_s: float | None, z: float, limit: float | None = None,
-           reserve: float = 0.0) -> Verdict:
+           reserve: float = 0.0, sustained: float | None = None) -> Verdict:
     """Whether an engine takes a request (rules in the module docstring).
 
     Args:
@@ -85,6 +104,9 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
         reserve: requests of more urgent bands expected on this engine that are not
             there yet (:class:`BandDemand`); the TPOT rule keeps room for them on top
             of this request.
+        sustained: the engine's expected requests in service in the long run (every
+            band's occupancy, :meth:`BandDemand.occupancy`, per engine); None: no
+            burst rule.
     """
     ttft = model.predict_ttft(pending_prefill_tokens + uncached_tokens, decoding)
     alone = model.predict_ttft(uncached_tokens, decoding)  # no prefill queued ahead
@@ -98,6 +120,9 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
     target = min(tpot_target_s, tightest_running_tpot_s or math.inf)
     tpot = model.predict_tpot(in_flight + 1 + reserve)
     ok = tpot.upper(z) <= target
+    if not ok and sustained is not None:  # a burst over a load the knee holds
+        ok = (model.predict_tpot(sustained + 1).upper(z) <= target
+              and model.predict_tpot(in_flight + 1 + reserve).mean <= target)
     return Verdict(ok, ttft, tpot, None if ok else "tpot")
 
 
@@ -141,6 +166,10 @@ class BandDemand:
         """``λ × S`` of ``band``: requests of it in service on average."""
         return self._rate[band].rate(self.clock.now()) * self._service[band]
 
+    def total_occupancy(self) -> float:
+        """Summed occupancy of every band: requests in service on average."""
+        return sum(self.occupancy(b) for b in self.bands)
+
     def urgent_occupancy(self, band: str) -> float:
         """Summed occupancy of the bands more urgent than ``band``."""
         return sum(self.occupancy(b) for b in self.bands[:self.bands.index(band)])
@@ -153,6 +182,85 @@ class BandDemand:
         one in five waits, briefly, in the many-server limit)."""
         r = self.urgent_occupancy(band)
         return r + self.beta * math.sqrt(r)
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """An engine's cumulative latency histograms and token counters at one scrape
+    (vLLM's names; ``None`` where the engine does not export one).
+
+    Attributes:
+        at: clock time of the scrape, s.
+        load: requests running + waiting there.
+        running: requests running there.
+        itl_sum_s / itl_count: ``vllm:inter_token_latency_seconds`` sum (s) and
+            count (tokens after each request's first).
+        prefill_sum_s / prefill_count: ``vllm:request_prefill_time_seconds`` (first
+            scheduled to first token, observed when a request finishes).
+        computed_tokens: ``vllm:request_prefill_kv_computed_tokens`` sum (prompt
+            tokens the finished requests computed, cache hits excluded).
+        prompt_tokens: ``vllm:prompt_tokens`` (prefill tokens, cached included).
+        cached_tokens: ``vllm:prefix_cache_hits`` (prompt tokens found cached).
+    """
+
+    at: float
+    load: float
+    running: float
+    itl_sum_s: float | None = None
+    itl_count: float | None = None
+    prefill_sum_s: float | None = None
+    prefill_count: float | None = None
+    computed_tokens: float | None = None
+    prompt_tokens: float | None = None
+    cached_tokens: float = 0.0
+
+
+@dataclass(frozen=True)
+class IntervalObservations:
+    """What one scrape interval says about the model (:func:`interval_observations`);
+    each is None when the interval holds no such sample.
+
+    Attributes:
+        tpot: (mean inter-token latency s, mean running + waiting, uncached prefill
+            tokens per decode step).
+        ttft: (mean prefill time s, mean computed prompt tokens per request, mean
+            running).
+    """
+
+    tpot: tuple[float, float, float] | None = None
+    ttft: tuple[float, float, float] | None = None
+
+
+#: Fewest decoded tokens in an interval for its mean inter-token latency to count.
+MIN_INTERVAL_TOKENS = 4
+
+
+def interval_observations(prev: EngineCounters, now: EngineCounters) -> IntervalObservations:
+    """The model's samples in the interval between two scrapes (rules in the module
+    docstring). Counters that fell (an engine restart) or an interval with no time
+    yield nothing; the TPOT sample needs :data:`MIN_INTERVAL_TOKENS` decoded tokens,
+    the TTFT sample a finished request with its computed tokens."""
+    dt = now.at - prev.at
+    if dt <= 0:
+        return IntervalObservations()
+
+    def delta(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None or b < a else b - a
+
+    tpot = ttft = None
+    n_itl, s_itl = delta(prev.itl_count, now.itl_count), delta(prev.itl_sum_s, now.itl_sum_s)
+    if n_itl is not None and s_itl is not None and n_itl >= MIN_INTERVAL_TOKENS and s_itl > 0:
+        itl = s_itl / n_itl
+        steps = max(1.0, dt / itl)  # each decode step takes about one inter-token latency
+        prompt = delta(prev.prompt_tokens, now.prompt_tokens) or 0.0
+        uncached = max(0.0, prompt - (delta(prev.cached_tokens, now.cached_tokens) or 0.0))
+        tpot = (itl, (prev.load + now.load) / 2, uncached / steps)
+    n = delta(prev.prefill_count, now.prefill_count)
+    s_prefill = delta(prev.prefill_sum_s, now.prefill_sum_s)
+    computed = delta(prev.computed_tokens, now.computed_tokens)
+    if n and s_prefill and computed is not None:
+        ttft = (s_prefill / n, computed / n, (prev.running + now.running) / 2)
+    return IntervalObservations(tpot, ttft)
 
 
 @dataclass(eq=False)
@@ -209,6 +317,7 @@ class EngineLatency:
         #: relative TTFT prediction errors |TTFT̂ − TTFT| / TTFT of finished requests
         #: not yet collected by :meth:`drain_errors`
         self.ttft_errors: list[float] = []
+        self._counters: EngineCounters | None = None  # the previous scrape's
 
     @property
     def mode(self) -> str:
@@ -241,17 +350,19 @@ class EngineLatency:
         return sum(1 for f in self.flights if f.band < band)
 
     def decide(self, uncached_tokens: int, ttft_budget_s: float, tpot_target_s: float,
-               reported_load: int = 0, reserve: float = 0.0) -> Verdict:
+               reported_load: int = 0, reserve: float = 0.0,
+               sustained: float | None = None) -> Verdict:
         """:func:`decide` for this engine's state; ``reported_load`` (the engine's own
         running + waiting count, which includes other gateway processes' requests)
-        replaces the ledger's in-flight count when larger; ``reserve`` as there."""
+        replaces the ledger's in-flight count when larger; ``reserve`` and
+        ``sustained`` as there."""
         return decide(self.model, uncached_tokens=uncached_tokens,
                       pending_prefill_tokens=self.pending_prefill_tokens,
                       decoding=self.decoding, in_flight=max(self.in_flight, reported_load),
                       ttft_budget_s=ttft_budget_s, tpot_target_s=tpot_target_s,
                       tightest_running_tpot_s=self.tightest_tpot_s(), z=self.z,
                       limit=None if self.model.confident else self.gradient.limit,
-                      reserve=reserve)
+                      reserve=reserve, sustained=sustained)
 
     # ------------------------------------------------------------------ the ledger
 
@@ -321,6 +432,23 @@ class EngineLatency:
         prefill_per_step = (self._prefilled - flight.prefilled_at_first) / steps
         self.model.observe_tpot(tpot, mean_batch, prefill_per_step)
         self.gradient.observe(tpot, flight.tpot_target_s, self.in_flight + 1)
+
+    def scraped(self, counters: EngineCounters) -> IntervalObservations:
+        """The engine's histograms and counters were read: fit the model to the
+        interval since the previous scrape (:func:`interval_observations`); returns
+        what was observed."""
+        prev, self._counters = self._counters, counters
+        if prev is None:
+            return IntervalObservations()
+        obs = interval_observations(prev, counters)
+        if obs.tpot is not None:
+            self.model.observe_tpot(*obs.tpot)
+            tightest = self.tightest_tpot_s()
+            if tightest is not None:
+                self.gradient.observe(obs.tpot[0], tightest, max(1, round(obs.tpot[1])))
+        if obs.ttft is not None:
+            self.model.observe_ttft(*obs.ttft)
+        return obs
 
     def drain_errors(self) -> list[float]:
         """The TTFT relative errors recorded since the last call."""

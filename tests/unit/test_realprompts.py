@@ -1,0 +1,45 @@
+"""loadtest.realprompts: the overload run's arrivals and scoring, and the TTFT
+prediction error read from the gateway's headers."""
+
+from __future__ import annotations
+
+import pytest
+
+from config.schema import SloConfig
+from loadtest.client import Measured
+from loadtest.realprompts import arrivals, rel_errors, score
+
+
+def test_arrivals_are_poisson_within_the_window_with_the_tenant_shares() -> None:
+    plan = arrivals(rate=20.0, duration_s=100.0, n_prompts=7, seed=3)
+    assert plan == arrivals(rate=20.0, duration_s=100.0, n_prompts=7, seed=3)
+    assert all(0 <= t < 100 for t, _, _ in plan)
+    assert len(plan) == pytest.approx(2000, rel=0.1)
+    shares = {name: sum(1 for _, n, _ in plan if n == name) / len(plan)
+              for name in ("acme", "globex", "initech")}
+    assert shares == pytest.approx({"acme": 0.3, "globex": 0.5, "initech": 0.2}, abs=0.04)
+    assert {i for _, _, i in plan} == set(range(7))
+
+
+def test_score_counts_slo_misses_rejections_and_cancellations_per_band() -> None:
+    ok = Measured(status=200, ttft_s=0.5, tpot_s=0.05)
+    slow_start = Measured(status=200, ttft_s=1.5, tpot_s=0.05)  # interactive: > 1 s
+    slow_decode = Measured(status=200, ttft_s=0.5, tpot_s=0.2)
+    shed = Measured(status=503, error_code="overloaded")
+    results = [("acme", ok), ("acme", slow_start), ("acme", shed), ("acme", None),
+               ("globex", slow_start), ("globex", slow_decode), ("initech", ok)]
+    s = score(results, SloConfig(), duration_s=10.0)
+    assert s["slo_attainment"] == {"interactive": 0.25, "standard": 0.5, "batch": 1.0}
+    assert s["goodput"] == pytest.approx(0.3)  # 3 good in 10 s
+    assert s["shed"] == {"503:overloaded": 1, "cancelled_at_deadline": 1}
+    assert s["offered"] == 7
+
+
+def test_rel_errors_compare_the_prediction_with_ttft_less_the_queue_wait() -> None:
+    def m(ttft: float, queue_ms: float | None, predicted: str | None) -> Measured:
+        headers = {} if predicted is None else {"x-sluice-ttft-predicted-ms": predicted}
+        return Measured(status=200, ttft_s=ttft, queue_ms=queue_ms, headers=headers)
+
+    errs = rel_errors([m(0.6, 100.0, "400"), m(1.0, None, "1500"), m(1.0, None, None),
+                       Measured(status=503, error_code="overloaded")])
+    assert errs == pytest.approx([0.2, 0.5])
