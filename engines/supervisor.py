@@ -2,7 +2,10 @@
 :class:`~engines.metrics.MetricsPoller` task per engine, plus drain and stop.
 
 The gateway creates it in ``cleanup_ctx`` with the shared ``ClientSession``, calls
-:meth:`Supervisor.start` and, on shutdown, :meth:`Supervisor.stop`.
+:meth:`Supervisor.start` and, on shutdown, :meth:`Supervisor.stop`. With several gateway
+processes (``sluice serve --workers N``) one supervisor launches the engines and
+publishes their addresses (:mod:`engines.addresses`); the others follow that file and
+only probe, scrape and route to the engines it names.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 import aiohttp
 
 from config.schema import EnginesConfig, EngineSpec
+from engines.addresses import read_addresses, write_addresses
 from engines.breaker import CircuitBreaker
 from engines.kinds import KINDS
 from engines.kv_events import EventsEndpoint
@@ -102,6 +106,12 @@ class Supervisor:
             :data:`engines.process.DEFAULT_COMMANDS`); tests inject their own.
         run_dir: folder for per-engine log files ``<engine id>.log``; default
             ``$SLUICE_RUN_DIR`` or a new temporary folder.
+        launch: False in a gateway process that does not own the engines: every
+            launched kind is then probed at the address ``address_file`` gives, like
+            an ``external`` engine, and never started or stopped here.
+        address_file: with ``launch``, where the engines' addresses are written once
+            they are assigned (:func:`engines.addresses.write_addresses`); without,
+            where they are read. None: no file (one gateway process).
     """
 
     def __init__(
@@ -114,7 +124,11 @@ class Supervisor:
         clock: Clock = MONOTONIC,
         commands: Mapping[str, CommandBuilder] = DEFAULT_COMMANDS,
         run_dir: Path | None = None,
+        launch: bool = True,
+        address_file: Path | None = None,
     ) -> None:
+        if not launch and address_file is None:
+            raise ValueError("a supervisor that does not launch needs an address file")
         self.cfg = cfg
         self.pool = pool
         self.session = session
@@ -122,6 +136,8 @@ class Supervisor:
         self.clock = clock
         self.commands = commands
         self.run_dir = run_dir
+        self.launch = launch
+        self.address_file = address_file
         self.runners: list[EngineRunner] = []
         self._runner_tasks: list[asyncio.Task] = []
         self._poller_tasks: list[asyncio.Task] = []
@@ -138,14 +154,22 @@ class Supervisor:
 
         Raises:
             RuntimeError: called twice.
-            ValueError: a launched spec's ``kind`` has no command builder (nothing is
-                added to the pool then).
+            ValueError: a launched spec's ``kind`` has no command builder, or (not
+                launching) the address file lacks one of its engines (nothing is added
+                to the pool then).
+            OSError: the address file cannot be read or written.
         """
         if self.runners:
             raise RuntimeError("supervisor already started")
         unknown = {s.kind for s in self.cfg.engines if s.kind != "external"} - set(self.commands)
         if unknown:
             raise ValueError(f"no command to launch engine kind(s) {sorted(unknown)}")
+        addresses = None if self.launch else read_addresses(self.address_file)
+        if addresses is not None:
+            missing = {i for s in self.cfg.engines if s.kind != "external"
+                       for i in engine_ids(s)} - set(addresses)
+            if missing:
+                raise ValueError(f"{self.address_file} has no address for {sorted(missing)}")
         run_dir = self.run_dir or Path(
             os.environ.get("SLUICE_RUN_DIR") or tempfile.mkdtemp(prefix="sluice-run-")
         )
@@ -153,9 +177,12 @@ class Supervisor:
         events = self.cfg.scheduler.prefix.source == "events"
         taken: set[int] = {s.port for s in self.cfg.engines if s.port is not None}
         for spec in self.cfg.engines:
-            command = None if spec.kind == "external" else self.commands[spec.kind]
+            launched = spec.kind != "external" and addresses is None
+            command = self.commands[spec.kind] if launched else None
             for engine_id in engine_ids(spec):
-                if command is None:
+                if spec.kind != "external" and addresses is not None:
+                    port, base_url = 0, addresses[engine_id].base_url
+                elif command is None:
                     port, base_url = 0, _external_base_url(str(spec.url))
                 else:
                     port = spec.port or choose_port(spec.host, spec.port_range, taken)
@@ -172,7 +199,9 @@ class Supervisor:
                                 priority_scheduling=spec.priority_scheduling,
                                 cost_per_hour=spec.cost_per_hour)
                 extra: list[str] = []
-                if events and spec.kind in KV_EVENT_KINDS:
+                if spec.kind != "external" and addresses is not None:
+                    engine.kv_events = addresses[engine_id].kv_events
+                elif events and spec.kind in KV_EVENT_KINDS:
                     engine.kv_events, extra = kv_events_flag(engine_id, spec.host, taken)
                 elif events and spec.kv_events is not None:
                     ev = spec.kv_events
@@ -192,7 +221,10 @@ class Supervisor:
             name = runner.engine.id
             self._runner_tasks.append(asyncio.create_task(runner.run(), name=f"run:{name}"))
             self._poller_tasks.append(asyncio.create_task(poller.run(), name=f"metrics:{name}"))
-        log.info("supervising %d engines; logs in %s", len(self.runners), run_dir)
+        if self.launch and self.address_file is not None:
+            write_addresses(self.address_file, self.engines)
+        log.info("%s %d engines; logs in %s", "supervising" if self.launch else "following",
+                 len(self.runners), run_dir)
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """Wait until every engine is ``ready``. Returns False after ``timeout_s``
