@@ -2,7 +2,7 @@
 the ones another process launched.
 
 With ``sluice serve --workers N`` one worker launches and supervises the engines and
-writes, after every change of its fleet, one JSON object mapping each engine id to its
+writes, once their addresses are assigned, one JSON object mapping each engine id to its
 address: ``{"<id>": {"base_url": "http://host:port", "kv_events": {"endpoint": …,
 "replay": … | null, "topic": …} | null}}``. The other workers read it and treat those
 engines as ``external`` ones at that address (probed, scraped, KV events followed).
