@@ -2,10 +2,11 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
 (models with at least one ready engine that the tenant may use), ``GET /health``
-(liveness: the process answers, with its ``pid`` and ``worker`` index), ``GET /ready`` (every configured model has a ready
-engine; 503 otherwise), ``GET /metrics`` (Prometheus; or on ``metrics_listen``),
-``GET /admin/stats`` (the dashboard's feed; admin key), ``GET /admin/capacity`` (the
-capacity report from the learned latency models; admin key).
+(liveness: the process answers, with its ``pid`` and ``worker`` index), ``GET /ready``
+(every configured model has a ready engine; 503 otherwise), ``GET /metrics``
+(Prometheus; or on ``metrics_listen``), ``GET /admin/stats`` (the dashboard's feed;
+admin key), ``GET /admin/capacity`` (the capacity report from the learned latency
+models; admin key).
 
 :func:`create_app` builds everything that needs no event loop — the scheduler (so a
 bad plugin fails before any engine starts), admission queues, counter store, metrics
