@@ -12,8 +12,10 @@ What is shared: rate limits and concurrency slots when ``limits.store_url`` is R
 since each worker would enforce its own copy); response-cache entries when
 ``cache.store_url`` is Redis; the engines' own load (scraped by every worker) and their
 KV-cache contents (events). What stays per worker: admission queues, each worker's
-count of its own requests in flight on an engine, the adaptive latency models, the
-semantic cache's vectors, ``/metrics`` (``metrics_listen`` port + worker index).
+count of its own requests in flight on an engine, the prefix index's "predicted on
+route" entries (until the engine's events confirm them), the sticky-session table,
+the adaptive latency models, the semantic cache's vectors, ``/metrics``
+(``metrics_listen`` port + worker index).
 
 Lifecycle: SIGINT/SIGTERM to the parent stops workers 1…N-1 first (each drains its
 requests), then worker 0 (drains, then stops the engines). A worker that exits on its
@@ -75,9 +77,10 @@ def check_sharing(cfg: Config, workers: int) -> list[str]:
     tenants = [*cfg.tenants.tenants, *([cfg.tenants.anonymous] if cfg.tenants.allow_anonymous else [])]
     limited = [t.name for t in tenants if (t.requests_per_min, t.tokens_per_min,
                                            t.max_concurrent) != (None, None, None)]
-    notes = ["admission queues, the requests each worker has in flight on an engine and "
-             "the learned latency models are per worker; engine load and KV-cache "
-             "contents are read from the engines by every worker"]
+    notes = ["admission queues, the requests each worker has in flight on an engine, "
+             "routes not yet confirmed by KV events, sticky sessions and the learned "
+             "latency models are per worker; engine load and KV-cache contents are read "
+             "from the engines by every worker"]
     if cfg.gateway.limits.store_url.startswith("memory://"):
         if limited:
             raise ValueError(
