@@ -400,7 +400,7 @@ def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pi
                     url, pid = targets[path]
                     r = _run_cell(url, pid, cell, warmup_s, duration_s, gen_cpus)
                     results[path][cell].append(r)
-                    print(f"  {path:<12}{cell:<9} rps {r['rps']:>8.1f}  p50 {r['p50_ms']} ms  "
+                    print(f"  {path:<16}{cell:<9} rps {r['rps']:>8.1f}  p50 {r['p50_ms']} ms  "
                           f"p99 {r['p99_ms']} ms  cpu/req {r['cpu_ms_per_req']} ms  "
                           f"errors {r['errors']}  gen cpu {r['generator_cpu_util']}",
                           file=sys.stderr, flush=True)
