@@ -370,7 +370,7 @@ def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pi
         if server_cpus:
             os.sched_setaffinity(0, server_cpus)  # inherited by sluice serve
         try:
-            gw = stack.enter_context(gateway(cfg_dir, ready_timeout_s=120, log_path=gateway_log,
+            gw = stack.enter_context(gateway(cfg_dir, ready_timeout_s=300, log_path=gateway_log,
                                              extra_args=args))
         finally:
             os.sched_setaffinity(0, all_cpus)
