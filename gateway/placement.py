@@ -140,12 +140,22 @@ class Placer:
         #: per model, each band's expected occupancy (room kept for urgent bands)
         self.demand: dict[str, BandDemand] = {}
         for e in pool.engines:
-            if self.adaptive.enabled:
-                e.latency = EngineLatency(
-                    LatencyModel(forgetting=self.adaptive.forgetting,
-                                 min_samples=self.adaptive.min_samples,
-                                 max_rel_error=self.adaptive.max_rel_error),
-                    clock, z=self.adaptive.confidence_z)
+            self.track(e)
+
+    def track(self, engine: Engine) -> None:
+        """Give an engine of the pool its latency ledger (with adaptive admission)."""
+        if self.adaptive.enabled:
+            engine.latency = EngineLatency(
+                LatencyModel(forgetting=self.adaptive.forgetting,
+                             min_samples=self.adaptive.min_samples,
+                             max_rel_error=self.adaptive.max_rel_error),
+                self.clock, z=self.adaptive.confidence_z)
+
+    def forget(self, engine: Engine) -> None:
+        """An engine left the pool: drop its prefill-speed estimate (its latency
+        ledger leaves with it)."""
+        if self.disagg is not None:
+            self.disagg.speed.forget(engine.id)
 
     def candidates(self, model: str, priority: Priority, tokens: int,
                    exclude: frozenset[str] = frozenset(), *,
