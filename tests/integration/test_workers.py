@@ -214,3 +214,32 @@ def test_quotas_on_memory_store_are_refused(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "limits.store_url" in out.stderr and "'rpm'" in out.stderr, out.stderr
+
+
+def test_engines_reload_reaches_every_worker_and_launches_once(tmp_path: Path,
+                                                               redis_server) -> None:
+    """An engine added to engines.yaml is launched by worker 0 only and becomes ready
+    on both workers (worker 1 takes its address from worker 0's address file)."""
+    import yaml
+
+    if redis_server.proc is None:
+        redis_server.start()
+    cfg, metrics_port = config(tmp_path, redis_server.url)
+    with workers(cfg, metrics_port) as w:
+        path = cfg / "engines.yaml"
+        doc = yaml.safe_load(path.read_text())
+        doc["engines"].append({**doc["engines"][0], "name": "sim2"})
+        path.with_name("engines.yaml.new").write_text(yaml.safe_dump(doc))
+        os.replace(path.with_name("engines.yaml.new"), path)
+        seen: set[int] = set()
+
+        def both_see_sim2() -> bool:
+            for _ in range(8):
+                seen.add(w.health()["pid"])
+                if httpx.get(w.url + "/ready", timeout=5).json()["engines"].get("sim2") != "ready":
+                    return False
+            return len(seen) == 2
+
+        wait_for_sync(both_see_sim2, 60, "both workers to route to the added engine")
+        sims = [p for p in w.descendants() if "loadtest.sim_engine" in " ".join(p.cmdline())]
+        assert len(sims) == 2, [p.cmdline() for p in sims]  # sim and sim2, once each
