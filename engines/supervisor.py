@@ -2,7 +2,10 @@
 :class:`~engines.metrics.MetricsPoller` task per engine, plus drain and stop.
 
 The gateway creates it in ``cleanup_ctx`` with the shared ``ClientSession``, calls
-:meth:`Supervisor.start` and, on shutdown, :meth:`Supervisor.stop`.
+:meth:`Supervisor.start` and, on shutdown, :meth:`Supervisor.stop`. With several gateway
+processes (``sluice serve --workers N``) one supervisor launches the engines and
+publishes their addresses (:mod:`engines.addresses`); the others follow that file and
+only probe, scrape and route to the engines it names.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 import aiohttp
 
 from config.schema import EnginesConfig, EngineSpec
+from engines.addresses import read_addresses, write_addresses
 from engines.breaker import CircuitBreaker
 from engines.kinds import KINDS
 from engines.kv_events import EventsEndpoint
@@ -103,6 +107,13 @@ class Supervisor:
             :data:`engines.process.DEFAULT_COMMANDS`); tests inject their own.
         run_dir: folder for per-engine log files ``<engine id>.log``; default
             ``$SLUICE_RUN_DIR`` or a new temporary folder.
+        launch: False in a gateway process that does not own the engines: every
+            launched kind is then probed at the address ``address_file`` gives, like
+            an ``external`` engine, and never started or stopped here.
+        address_file: with ``launch``, where the engines' addresses are written
+            whenever the launched engines change
+            (:func:`engines.addresses.write_addresses`); without, where they are
+            read. None: no file (one gateway process).
     """
 
     def __init__(
@@ -115,7 +126,11 @@ class Supervisor:
         clock: Clock = MONOTONIC,
         commands: Mapping[str, CommandBuilder] = DEFAULT_COMMANDS,
         run_dir: Path | None = None,
+        launch: bool = True,
+        address_file: Path | None = None,
     ) -> None:
+        if not launch and address_file is None:
+            raise ValueError("a supervisor that does not launch needs an address file")
         self.cfg = cfg
         self.pool = pool
         self.session = session
@@ -123,6 +138,8 @@ class Supervisor:
         self.clock = clock
         self.commands = commands
         self.run_dir = run_dir
+        self.launch = launch
+        self.address_file = address_file
         #: every engine supervised, draining ones included until they are stopped
         self.runners: list[EngineRunner] = []
         #: the specs in effect, by name (a changed spec's new version is here while
@@ -154,6 +171,8 @@ class Supervisor:
             RuntimeError: called twice.
             ValueError: a launched spec's ``kind`` has no command builder (nothing is
                 added to the pool then).
+            LookupError: not launching, and the address file lacks an engine.
+            OSError: the address file cannot be read or written.
         """
         if self._started:
             raise RuntimeError("supervisor already started")
@@ -166,19 +185,34 @@ class Supervisor:
         for spec in self.cfg.engines:
             self.specs[spec.name] = spec
             self._launch(spec)
-        log.info("supervising %d engines; logs in %s", len(self.runners), self.run_dir)
+        log.info("%s %d engines; logs in %s", "supervising" if self.launch else "following",
+                 len(self.runners), self.run_dir)
 
     def _launch(self, spec: EngineSpec) -> None:
         """Add ``spec``'s engines to the pool (``starting``: no traffic until a probe
-        passes) and start their runner and metrics tasks."""
+        passes) and start their runner and metrics tasks. Not launching, a launched
+        kind's engines are taken from the address file.
+
+        Raises:
+            LookupError: not launching, and the address file lacks one of them.
+        """
         assert self.run_dir is not None
         sup = self.cfg.supervisor
         events = self.cfg.scheduler.prefix.source == "events"
-        command = None if spec.kind == "external" else self.commands[spec.kind]
+        addresses = None
+        if not self.launch and spec.kind != "external":
+            assert self.address_file is not None
+            addresses = read_addresses(self.address_file)
+            missing = [i for i in engine_ids(spec) if i not in addresses]
+            if missing:
+                raise LookupError(f"{self.address_file} has no address for {missing}")
+        command = None if spec.kind == "external" or addresses else self.commands[spec.kind]
         runners = self._launched[spec.name] = []
         for engine_id in engine_ids(spec):
             before = set(self._taken)
-            if command is None:
+            if addresses:
+                port, base_url = 0, addresses[engine_id].base_url
+            elif command is None:
                 port, base_url = 0, _external_base_url(str(spec.url))
             else:
                 port = spec.port or choose_port(spec.host, spec.port_range, self._taken)
@@ -195,7 +229,9 @@ class Supervisor:
                             priority_scheduling=spec.priority_scheduling,
                             cost_per_hour=spec.cost_per_hour)
             extra: list[str] = []
-            if events and spec.kind in KV_EVENT_KINDS:
+            if addresses:
+                engine.kv_events = addresses[engine_id].kv_events
+            elif events and spec.kind in KV_EVENT_KINDS:
                 engine.kv_events, extra = kv_events_flag(engine_id, spec.host, self._taken)
             elif events and spec.kv_events is not None:
                 ev = spec.kv_events
@@ -218,6 +254,39 @@ class Supervisor:
             name = runner.engine.id
             self._tasks[runner] = (asyncio.create_task(runner.run(), name=f"run:{name}"),
                                    asyncio.create_task(poller.run(), name=f"metrics:{name}"))
+        self._publish()
+
+    def _publish(self) -> None:
+        """Launching, with an address file: write every engine's address to it."""
+        if self.launch and self.address_file is not None:
+            write_addresses(self.address_file, self.engines)
+
+    def _launch_when_known(self, spec: EngineSpec) -> None:
+        """:meth:`_launch`, or (a follower whose address file does not name the new
+        engines yet) wait for the launching process to publish them."""
+        try:
+            self._launch(spec)
+        except LookupError:
+            self._retiring[spec.name] = asyncio.create_task(
+                self._await_addresses(spec), name=f"follow:{spec.name}")
+
+    async def _await_addresses(self, spec: EngineSpec) -> None:
+        """Re-read the address file every probe interval until it names ``spec``'s
+        engines (then add them, if ``spec`` is still in effect), for at most
+        ``supervisor.startup_grace_s``."""
+        sup = self.cfg.supervisor
+        deadline = self.clock.now() + sup.startup_grace_s
+        while self.specs.get(spec.name) is spec and spec.name not in self._launched:
+            try:
+                self._launch(spec)
+                break
+            except LookupError as e:
+                if self.clock.now() > deadline:
+                    log.error("engines of %s not followed: %s", spec.name, e)
+                    break
+            await asyncio.sleep(sup.probe_interval_s)
+        if self._retiring.get(spec.name) is asyncio.current_task():
+            del self._retiring[spec.name]
 
     def reconfigure(self, specs: list[EngineSpec], grace_s: float) -> tuple[list[str], list[str]]:
         """Make the fleet run ``specs`` (a reloaded ``engines.yaml``), by spec name:
@@ -263,7 +332,7 @@ class Supervisor:
                 self.pool.set_state(runner.engine, EngineState.DRAINING)
             before = self._retiring.get(name)
             if not old and before is None:
-                self._launch(wanted[name])
+                self._launch_when_known(wanted[name])
                 continue
             self._retiring[name] = asyncio.create_task(
                 self._replace(name, old, wanted.get(name), before, grace_s),
@@ -278,7 +347,7 @@ class Supervisor:
             await asyncio.wait([before])
         await self._retire(old, grace_s)
         if spec is not None and self.specs.get(name) is spec and name not in self._launched:
-            self._launch(spec)
+            self._launch_when_known(spec)
         if self._retiring.get(name) is asyncio.current_task():
             del self._retiring[name]
 
@@ -300,6 +369,7 @@ class Supervisor:
             self.pool.remove(runner.engine)
             self.runners.remove(runner)
             self._taken -= self._ports.pop(runner)
+        self._publish()
         await _cancel([self._tasks.pop(r)[1] for r in runners])
         log.info("retired engines %s", [e.id for e in engines])
 

@@ -2,10 +2,11 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
 (models with at least one ready engine that the tenant may use), ``GET /health``
-(liveness: the process answers), ``GET /ready`` (every configured model has a ready
-engine; 503 otherwise), ``GET /metrics`` (Prometheus; or on ``metrics_listen``),
-``GET /admin/stats`` (the dashboard's feed; admin key), ``GET /admin/capacity`` (the
-capacity report from the learned latency models; admin key).
+(liveness: the process answers, with its ``pid`` and ``worker`` index), ``GET /ready``
+(every configured model has a ready engine; 503 otherwise), ``GET /metrics``
+(Prometheus; or on ``metrics_listen``), ``GET /admin/stats`` (the dashboard's feed;
+admin key), ``GET /admin/capacity`` (the capacity report from the learned latency
+models; admin key).
 
 :func:`create_app` builds everything that needs no event loop — the scheduler (so a
 bad plugin fails before any engine starts), admission queues, counter store, metrics
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -60,6 +62,7 @@ from gateway.keys import (
     TENANT,
     TENANTS,
     TRACER_PROVIDER,
+    WORKER,
 )
 from gateway.metrics import FleetCollector, GatewayMetrics
 from gateway.middlewares import auth_middleware, errors_middleware
@@ -67,6 +70,7 @@ from gateway.proxy import EngineClient
 from gateway.reload import ConfigReloader, reloadable_engines
 from gateway.stats import StatsFeed
 from gateway.tracing import make_tracer
+from gateway.workers import WorkerRole
 from limits.admission import AdmissionQueue
 from limits.clock import MONOTONIC
 from limits.interfaces import Clock
@@ -122,7 +126,9 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    worker = request.app[WORKER]
+    return web.json_response({"status": "ok", "pid": os.getpid(),
+                              "worker": worker.index if worker else 0})
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -140,7 +146,8 @@ async def ready(request: web.Request) -> web.Response:
 
 def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
                span_exporter: SpanExporter | None = None,
-               clock: Clock = MONOTONIC) -> web.Application:
+               clock: Clock = MONOTONIC,
+               worker: WorkerRole | None = None) -> web.Application:
     """Build the gateway app for ``cfg``. Engines are launched (or probed, for
     ``external`` ones) when the app starts and drained when it stops.
 
@@ -151,6 +158,9 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
             endpoint configured, or are not made.
         clock: the one monotonic clock (s) read by the request path, the admission
             queues, the engines' supervisor and the placement (tests inject their own).
+        worker: this process's place under ``sluice serve --workers N``: only worker
+            0 launches the engines, the others follow their address file
+            (:mod:`gateway.workers`); None: the only process.
 
     Raises:
         ValueError: the scheduler's plugins cannot be built (the configuration
@@ -163,6 +173,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     obs, limits, cache_cfg = cfg.gateway.observability, cfg.gateway.limits, cfg.gateway.cache
     app[CONFIG] = cfg
     app[MODEL_CACHE_DIR] = model_cache_dir
+    app[WORKER] = worker
     app[TENANTS] = TenantDirectory(cfg.tenants)
     app[POOL] = EnginePool()
     app[SCHEDULER] = Scheduler(cfg.engines.scheduler)
@@ -248,15 +259,18 @@ def reload_engines(app: web.Application, new: EnginesConfig) -> None:
 
 async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     """The shared client session and the supervisor: engines launched (or probed) on
-    start, drained and stopped on shutdown."""
-    cfg = app[CONFIG]
+    start, drained and stopped on shutdown. A worker that does not own the engines
+    follows the owner's address file instead of launching them."""
+    cfg, worker = app[CONFIG], app[WORKER]
     session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
         auto_decompress=False,
     )
     app[SESSION] = session
     supervisor = Supervisor(cfg=cfg.engines, pool=app[POOL], session=session,
-                            model_cache_dir=app[MODEL_CACHE_DIR], clock=app[CLOCK])
+                            model_cache_dir=app[MODEL_CACHE_DIR], clock=app[CLOCK],
+                            launch=worker is None or worker.owns_engines,
+                            address_file=worker.address_file if worker else None)
     app[SUPERVISOR] = supervisor
     await supervisor.start()
     try:
@@ -348,10 +362,14 @@ async def tracing_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def metrics_listen_ctx(app: web.Application) -> AsyncIterator[None]:
-    """``/metrics`` on its own listener (``observability.metrics_listen``)."""
+    """``/metrics`` on its own listener (``observability.metrics_listen``); under
+    ``--workers N``, worker i listens on that port + i (each worker's metrics are its
+    own)."""
     host, _, port = (app[CONFIG].gateway.observability.metrics_listen or "").rpartition(":")
+    worker = app[WORKER]
     runner = web.AppRunner(metrics_app(app[METRICS]), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+    await web.TCPSite(runner, host or "127.0.0.1",
+                      int(port) + (worker.index if worker else 0)).start()
     yield
     await runner.cleanup()

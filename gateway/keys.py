@@ -21,6 +21,7 @@ from gateway.record import Observer, RequestRecord
 from gateway.reload import ConfigReloader
 from gateway.stats import StatsFeed
 from gateway.tracing import Spans
+from gateway.workers import WorkerRole
 from limits.admission import AdmissionQueue
 from limits.interfaces import Clock, CounterStore
 from limits.rate_limit import RateLimiter
@@ -47,6 +48,8 @@ SPANS = web.AppKey("spans", Spans)
 TRACER_PROVIDER = web.AppKey("tracer_provider", TracerProvider | None)
 #: where ``packaged:`` models are prepared (None: the default folder)
 MODEL_CACHE_DIR = web.AppKey("model_cache_dir", Path | None)
+#: this process's place under ``sluice serve --workers N`` (None: the only process)
+WORKER = web.AppKey("worker", WorkerRole | None)
 #: None when no configuration file is watched (no paths in the config)
 RELOADER = web.AppKey("reloader", ConfigReloader | None)
 # created once the app starts (in its cleanup_ctx)

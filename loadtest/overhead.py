@@ -37,6 +37,14 @@ fraction of one core: near 1.0 means the generator, not the server, was the limi
 cells are interleaved across paths N times and each figure is the median, with the
 per-run rps kept in ``rps_runs``.
 
+``--workers N`` (N ≥ 2) adds the path ``gateway_workers`` (``sluice serve --workers
+N`` on the same config: N processes on one port, the kernel spreading the
+generator's connections over them); its ``cpu_ms_per_req`` is the CPU of all its
+processes (parent and workers) per request. ``workers`` then gives, per worker
+count (``"1"``: the ``gateway`` path, ``"N"``: ``gateway_workers``),
+``c64_rps`` and ``cpu_ms_per_req`` (c64), and ``ratio_gateway_workers_passthrough_c64``
+the N-worker rps over the pass-through's at c64.
+
 ``--observability off`` runs the gateway with metrics, tracing and access logs off
 (``gateway.yaml`` ``observability`` section); ``on`` (default) as shipped.
 ``--pin`` puts the generator on CPU 0 and the servers (stand-in and proxy) on CPU 1.
@@ -68,6 +76,8 @@ CELLS: dict[str, tuple[int, bool]] = {"c1": (1, False), "c16": (16, False),
 LONG_MODEL = "stand-in-long"
 #: The gateway variant without the turn cache (the "before" of the long cell).
 NO_TURN_CACHE = "gateway_no_turn_cache"
+#: The gateway run with ``--workers N`` (N from the command line).
+WORKERS = "gateway_workers"
 METRICS = ("rps", "p50_ms", "p99_ms", "cpu_ms_per_req")
 MODEL = "stand-in"
 CHUNKS = 64
@@ -80,6 +90,13 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat", "rb") as f:
         fields = f.read().rsplit(b")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
+
+
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and its descendants now (a ``--workers`` gateway's workers)."""
+    import psutil
+
+    return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
 
 
 def long_bodies(worker: int) -> Iterator[bytes]:
@@ -147,9 +164,9 @@ async def _passthrough(port: int, upstream: str) -> None:
 
 
 async def _generate(url: str, concurrency: int, stream: bool, warmup_s: float,
-                    duration_s: float, pid: int, long: bool = False) -> dict[str, Any]:
+                    duration_s: float, pids: list[int], long: bool = False) -> dict[str, Any]:
     """Closed loop: ``concurrency`` workers, each on its own keep-alive connection
-    (``long``: each sending :func:`long_bodies`)."""
+    (``long``: each sending :func:`long_bodies`); CPU is summed over ``pids``."""
     import aiohttp
 
     fixed = request_body(stream)
@@ -182,10 +199,12 @@ async def _generate(url: str, concurrency: int, stream: bool, warmup_s: float,
     async with aiohttp.ClientSession(connector=connector) as session:
         tasks = [asyncio.create_task(worker(session, i)) for i in range(concurrency)]
         await asyncio.sleep(warmup_s)
-        cpu0, own0, t_start = cpu_seconds(pid), time.process_time(), time.perf_counter()
+        cpu0, own0, t_start = (sum(map(cpu_seconds, pids)), time.process_time(),
+                               time.perf_counter())
         window[:] = [t_start, t_start + duration_s]
         await asyncio.sleep(duration_s)
-        cpu1, own1, t_end = cpu_seconds(pid), time.process_time(), time.perf_counter()
+        cpu1, own1, t_end = (sum(map(cpu_seconds, pids)), time.process_time(),
+                             time.perf_counter())
         window[1] = t_end
         stop = True
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -216,9 +235,9 @@ def _child(argv: list[str]) -> int:
     if argv[0] == "passthrough":
         run(_passthrough(int(argv[1]), argv[2]))
     elif argv[0] == "generate":
-        url, conc, stream, warm, dur, pid, long = argv[1:8]
-        out = run(_generate(url, int(conc), stream == "1", float(warm), float(dur), int(pid),
-                            long == "1"))
+        url, conc, stream, warm, dur, pids, long = argv[1:8]
+        out = run(_generate(url, int(conc), stream == "1", float(warm), float(dur),
+                            [int(p) for p in pids.split(",")], long == "1"))
         print(json.dumps(out), flush=True)
     return 0
 
@@ -293,7 +312,8 @@ def _run_cell(url: str, pid: int, cell: str, warmup_s: float, duration_s: float,
               cpus: set[int] | None) -> dict[str, Any]:
     conc, stream = CELLS[cell]
     cmd = [sys.executable, "-m", "loadtest.overhead", "generate", url + "/v1/chat/completions",
-           str(conc), "1" if stream else "0", str(warmup_s), str(duration_s), str(pid),
+           str(conc), "1" if stream else "0", str(warmup_s), str(duration_s),
+           ",".join(map(str, tree_pids(pid))),
            "1" if cell == "long" else "0"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, check=True,
                          timeout=warmup_s + duration_s + 120,
@@ -318,18 +338,22 @@ def _long_available() -> bool:
 
 
 def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pin: bool,
-        cells: list[str], paths: list[str], gateway_log: Path | None) -> dict[str, Any]:
+        cells: list[str], paths: list[str], gateway_log: Path | None,
+        workers: int = 1) -> dict[str, Any]:
     """Run the benchmark; returns the JSON document (see the module docstring)."""
     from loadtest.launch import gateway
 
     server_cpus = {1} if pin else None
     gen_cpus = {0} if pin else None
     all_cpus = os.sched_getaffinity(0)
+    loadavg_start = os.getloadavg()
     if "long" in cells and ("gateway" not in paths or not _long_available()):
         print("long cell skipped: needs the gateway path and the prepared packaged model "
               "(sluice prepare-model)", file=sys.stderr)
         cells = [c for c in cells if c != "long"]
     long_paths = ["gateway", NO_TURN_CACHE] if "long" in cells else []
+    if workers > 1 and "gateway" in paths:
+        paths = [*paths, WORKERS]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {
         p: {c: [] for c in cells} for p in [*paths, *long_paths[1:]]}
 
@@ -342,11 +366,12 @@ def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pi
                              "--model", model, "--chunks", str(CHUNKS)], port)
         return f"http://127.0.0.1:{port}", proc.pid
 
-    def serve(cfg_dir: Path) -> tuple[str, int]:
+    def serve(cfg_dir: Path, args: list[str] | None = None) -> tuple[str, int]:
         if server_cpus:
             os.sched_setaffinity(0, server_cpus)  # inherited by sluice serve
         try:
-            gw = stack.enter_context(gateway(cfg_dir, ready_timeout_s=120, log_path=gateway_log))
+            gw = stack.enter_context(gateway(cfg_dir, ready_timeout_s=300, log_path=gateway_log,
+                                             extra_args=args))
         finally:
             os.sched_setaffinity(0, all_cpus)
         return gw.url, gw.proc.pid
@@ -363,6 +388,8 @@ def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pi
         if "gateway" in paths:
             targets["gateway"] = serve(gateway_config(Path(tmp) / "config", engine_url,
                                                       observability, long_url))
+        if WORKERS in paths:
+            targets[WORKERS] = serve(Path(tmp) / "config", ["--workers", str(workers)])
         if long_paths:
             targets[NO_TURN_CACHE] = serve(gateway_config(
                 Path(tmp) / "config-no-turn-cache", engine_url, observability, long_url,
@@ -373,7 +400,7 @@ def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pi
                     url, pid = targets[path]
                     r = _run_cell(url, pid, cell, warmup_s, duration_s, gen_cpus)
                     results[path][cell].append(r)
-                    print(f"  {path:<12}{cell:<9} rps {r['rps']:>8.1f}  p50 {r['p50_ms']} ms  "
+                    print(f"  {path:<16}{cell:<9} rps {r['rps']:>8.1f}  p50 {r['p50_ms']} ms  "
                           f"p99 {r['p99_ms']} ms  cpu/req {r['cpu_ms_per_req']} ms  "
                           f"errors {r['errors']}  gen cpu {r['generator_cpu_util']}",
                           file=sys.stderr, flush=True)
@@ -387,12 +414,20 @@ def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pi
     doc["ratio_gateway_passthrough_c64"] = round(gw_rps / pt_rps, 3) if gw_rps and pt_rps else None
     gw_p50, d_p50 = get("gateway", "c1", "p50_ms"), get("direct", "c1", "p50_ms")
     doc["added_p50_ms_c1"] = round(gw_p50 - d_p50, 3) if gw_p50 and d_p50 else None
+    if WORKERS in paths:
+        doc["workers"] = {str(n): {"c64_rps": get(p, "c64", "rps"),
+                                   "cpu_ms_per_req": get(p, "c64", "cpu_ms_per_req")}
+                          for n, p in ((1, "gateway"), (workers, WORKERS))}
+        w_rps = get(WORKERS, "c64", "rps")
+        doc["ratio_gateway_workers_passthrough_c64"] = (
+            round(w_rps / pt_rps, 3) if w_rps and pt_rps else None)
     if long_paths:
         doc["long_cpu_ms_per_req"] = {"turn_cache": get("gateway", "long", "cpu_ms_per_req"),
                                       "no_turn_cache": get(NO_TURN_CACHE, "long",
                                                            "cpu_ms_per_req")}
     doc["meta"] = {"duration_s": duration_s, "warmup_s": warmup_s, "repeat": repeat,
                    "observability": "on" if observability else "off", "pinned": pin,
+                   "workers": workers, "loadavg_start": loadavg_start,
                    "cpus": os.cpu_count(), "loadavg_end": os.getloadavg(),
                    "stream_chunks": CHUNKS, "python": sys.version.split()[0]}
     return doc
@@ -401,12 +436,16 @@ def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pi
 def table(doc: dict[str, Any]) -> str:
     """The results as a Markdown table."""
     lines = ["| path | cell | rps | p50 ms | p99 ms | CPU ms/req |", "|---|---|---|---|---|---|"]
-    for path in (*PATHS, NO_TURN_CACHE):
+    for path in (*PATHS, WORKERS, NO_TURN_CACHE):
         for cell, r in (doc.get(path) or {}).items():
             lines.append(f"| {path} | {cell} | {r['rps']} | {r['p50_ms']} | {r['p99_ms']} | "
                          f"{r['cpu_ms_per_req']} |")
     lines.append(f"\nratio gateway/passthrough at c64: {doc['ratio_gateway_passthrough_c64']}; "
                  f"p50 added at c1 (gateway − direct): {doc['added_p50_ms_c1']} ms")
+    if "workers" in doc:
+        lines.append(f"c64 by worker count: {doc['workers']}; ratio with "
+                     f"{doc['meta']['workers']} workers / passthrough: "
+                     f"{doc['ratio_gateway_workers_passthrough_c64']}")
     if "long_cpu_ms_per_req" in doc:
         lines.append(f"long cell, gateway CPU ms per request: {doc['long_cpu_ms_per_req']}")
     return "\n".join(lines)
@@ -424,13 +463,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cells", default=",".join(CELLS), help="comma-separated subset of cells")
     p.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of paths")
     p.add_argument("--gateway-log", type=Path, help="keep the gateway's output here")
+    p.add_argument("--workers", type=int, default=1,
+                   help="also run the gateway with sluice serve --workers N (N >= 2)")
     args = p.parse_args(argv)
     cells = [c for c in args.cells.split(",") if c]
     paths = [x for x in args.paths.split(",") if x]
     if unknown := (set(cells) - set(CELLS)) | (set(paths) - set(PATHS)):
         p.error(f"unknown cells/paths: {sorted(unknown)}")
     doc = run(args.duration, args.warmup, args.observability == "on", args.repeat, args.pin,
-              cells, paths, args.gateway_log)
+              cells, paths, args.gateway_log, args.workers)
     Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     print(table(doc))
     return 0

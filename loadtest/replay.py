@@ -17,6 +17,16 @@ Routing benchmark: ``--engines N --policy P`` replaces ``--target``: a gateway
 ``ttft_p90_bound_ms`` (no routing or scheduling can give a lower p90 TTFT on those
 engines: :mod:`loadtest.ttft_bound`; None with ``--pd``) and the flat keys
 ``ttft_p50_ms``, ``ttft_p90_ms``, ``ttft_p99_ms``.
+
+Several replicas: ``--gateways G`` (G ≥ 2, with ``--engines``) launches the ``N``
+simulated engines itself (each publishing KV-cache events) and a private
+``redis-server``, then starts ``G`` ``sluice serve`` processes that route to those
+engines as ``kind: external`` (with their ``kv_events`` endpoints, so every gateway
+follows the same events) and share limits through that Redis; requests go to the
+gateways round-robin. The same workload is first replayed through one gateway as
+above, and the report adds ``one_gateway`` (that run's ``prefix_hit_rate``,
+``ideal_hit_rate`` and TTFT percentiles) and ``prefix_hit_rate_vs_one_gateway`` (G
+gateways' hit rate / one gateway's).
 """
 
 from __future__ import annotations
@@ -24,8 +34,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -36,7 +49,7 @@ from tqdm import tqdm
 
 from engines.metrics import parse_metrics
 from engines.pool import MetricsSnapshot
-from loadtest.launch import gateway
+from loadtest.launch import RedisServer, free_port, gateway
 from loadtest.report import EngineSample, EngineStats, Result, Slo, format_summary, plot, summarize
 from loadtest.sim_engine.profiles import Profile, get_profile
 from loadtest.ttft_bound import percentile_bound_s, prefill_seconds
@@ -157,15 +170,16 @@ class Replayer:
     """Sends a workload's requests to ``target`` at their times.
 
     Args:
-        target: gateway or engine base URL (no ``/v1``).
+        target: gateway or engine base URL (no ``/v1``), or several gateways'; the
+            ``i``-th request goes to ``target[i % len(target)]`` (round-robin).
         api_keys: tenant → list of API keys (``RequestSpec.api_key_slot`` indexes it);
             tenants without keys send none.
         duration_s: stop sending after this, s; drain_s: then wait this long, s.
     """
 
-    def __init__(self, target: str, api_keys: dict[str, list[str]], duration_s: float,
-                 drain_s: float = 30.0) -> None:
-        self.target = target.rstrip("/")
+    def __init__(self, target: str | Sequence[str], api_keys: dict[str, list[str]],
+                 duration_s: float, drain_s: float = 30.0) -> None:
+        self.targets = [t.rstrip("/") for t in ([target] if isinstance(target, str) else target)]
         self.api_keys = api_keys
         self.duration_s = duration_s
         self.drain_s = drain_s
@@ -181,7 +195,8 @@ class Replayer:
         t0 = time.perf_counter()
         token_times: list[float] = []
         try:
-            async with session.post(self.target + spec.endpoint, json=spec.body,
+            target = self.targets[i % len(self.targets)]
+            async with session.post(target + spec.endpoint, json=spec.body,
                                     headers=self._headers(spec)) as r:
                 res.status = r.status
                 res.engine = r.headers.get("x-sluice-engine")
@@ -333,6 +348,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target", help="base URL (gateway or engine); or use --engines")
     p.add_argument("--engines", type=int,
                    help="start a gateway with this many simulated engines and replay through it")
+    p.add_argument("--gateways", type=int, default=1,
+                   help="with --engines: this many sluice serve replicas on one Redis, "
+                        "requests round-robin (also runs one gateway for comparison)")
     p.add_argument("--policy", default="default", choices=sorted(POLICIES),
                    help="scheduler policy of that gateway (with --engines)")
     p.add_argument("--sim-profile", default="h200-llama3-8b")
@@ -415,6 +433,9 @@ def main(argv: list[str]) -> int:
     if args.pd is not None and args.engines is None:
         print("--pd needs --engines", file=sys.stderr)
         return 2
+    if args.gateways > 1 and (args.engines is None or args.pd is not None):
+        print("--gateways needs --engines (and no --pd)", file=sys.stderr)
+        return 2
     defaults = WORKLOAD_DEFAULTS.get(args.workload, {})
     args.applied_defaults = {k: v for k, v in defaults.items() if getattr(args, k) is None}
     for k, v in args.applied_defaults.items():
@@ -431,7 +452,16 @@ def main(argv: list[str]) -> int:
     for item in args.api_key:
         tenant, _, key = item.partition("=")
         keys.setdefault(tenant, []).append(key)
-    if args.engines is not None:
+    if args.engines is not None and args.gateways > 1:
+        one, _, _ = _run_with_gateway(args, opts, workload, keys, gateways=1)
+        summary, results, engines = _run_with_gateway(args, opts, workload, keys,
+                                                      gateways=args.gateways)
+        summary["one_gateway"] = {k: one[k] for k in (
+            "prefix_hit_rate", "ideal_hit_rate", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms")}
+        hit, one_hit = summary["prefix_hit_rate"], one["prefix_hit_rate"]
+        summary["prefix_hit_rate_vs_one_gateway"] = (
+            round(hit / one_hit, 4) if hit is not None and one_hit else None)
+    elif args.engines is not None:
         summary, results, engines = _run_with_gateway(args, opts, workload, keys)
     else:
         engines = [EngineStats(u) for u in args.engine_metrics]
@@ -456,9 +486,11 @@ def main(argv: list[str]) -> int:
 
 
 def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
-                      keys: dict[str, list[str]]) -> tuple[dict, list[Result], list[EngineStats]]:
+                      keys: dict[str, list[str]], gateways: int = 1,
+                      ) -> tuple[dict, list[Result], list[EngineStats]]:
     """Start ``sluice serve`` with ``args.engines`` simulated engines and policy
-    ``args.policy``, replay through it, and summarise with the routing keys."""
+    ``args.policy`` (``gateways`` > 1: that many replicas, see :func:`_replicas`),
+    replay through it, and summarise with the routing keys."""
     import tempfile
 
     speed = args.sim_speed or 1.0 / args.time_scale
@@ -476,11 +508,18 @@ def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
                           "kv_bytes_per_token": get_profile(args.sim_profile).kv_bytes_per_token,
                           "transfer_gbps": args.kv_transfer_gbps}
     folder = Path(args.config_out or tempfile.mkdtemp(prefix="sluice-bench-"))
+    if gateways > 1:
+        folder = folder / f"gateways-{gateways}"
     write_sim_config(folder, args.engines, args.policy, args.model, sim_args, args.index_bytes,
                      args.pd, disaggregation, args.prefix_source)
-    with gateway(folder, log_path=folder / "gateway.log") as gw:
-        engines = [EngineStats(u) for u in gw.engine_urls()]
-        replayer = Replayer(gw.url, keys, args.duration, args.drain)
+    with ExitStack() as stack:
+        if gateways == 1:
+            gw = stack.enter_context(gateway(folder, log_path=folder / "gateway.log"))
+            urls, engine_urls = [gw.url], gw.engine_urls()
+        else:
+            urls, engine_urls = stack.enter_context(_replicas(folder, gateways, sim_args))
+        engines = [EngineStats(u) for u in engine_urls]
+        replayer = Replayer(urls, keys, args.duration, args.drain)
         results, wall = asyncio.run(replayer.run(workload.requests, engines,
                                                  args.scrape_interval))
     summary = summarize(results, engines, Slo(args.slo_ttft_ms, args.slo_tpot_ms), wall)
@@ -488,7 +527,7 @@ def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
     summary.update({
         "policy": args.policy, "engines_n": args.engines,
         "pd": None if args.pd is None else f"{args.pd[0]}:{args.pd[1]}",
-        "pd_policy": None if args.pd is None else args.pd_policy,
+        "pd_policy": None if args.pd is None else args.pd_policy, "gateways": gateways,
         "ideal_hit_rate": replayed_ideal_hit_rate(args.workload, opts),
         "ttft_p90_bound_ms": None if args.pd is not None else replayed_ttft_p90_bound_ms(
             args.workload, opts, get_profile(args.sim_profile), args.engines, speed),
@@ -501,3 +540,57 @@ def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
                   "disaggregation": disaggregation},
     })
     return summary, results, engines
+
+
+@contextmanager
+def _replicas(folder: Path, gateways: int, sim_args: list[str],
+              ) -> Iterator[tuple[list[str], list[str]]]:
+    """Turn the config in ``folder`` (written by :func:`write_sim_config`) into
+    ``gateways`` replicas: launch its simulated engines here (each with a KV-event
+    publisher, :func:`engines.supervisor.kv_events_flag`) and a private Redis, list
+    the engines as ``kind: external`` with their ``kv_events`` and the Redis as
+    ``limits.store_url``, and run that many ``sluice serve`` on the folder. Yields the
+    gateways' and the engines' base URLs; stops them all on exit."""
+    from engines.supervisor import kv_events_flag
+
+    engines_yaml = yaml.safe_load((folder / "engines.yaml").read_text(encoding="utf-8"))
+    gateway_yaml = yaml.safe_load((folder / "gateway.yaml").read_text(encoding="utf-8"))
+    (spec,) = engines_yaml["engines"]
+    taken: set[int] = set()
+    with ExitStack() as stack:
+        redis = RedisServer()
+        redis.start()
+        stack.callback(redis.stop)
+        externals, engine_urls = [], []
+        for i in range(spec["replicas"]):
+            name, port = f"{spec['name']}-{i}", free_port()
+            endpoint, flag = kv_events_flag(name, "127.0.0.1", taken)
+            log = stack.enter_context(open(folder / f"{name}.log", "wb"))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "loadtest.sim_engine", "--host", "127.0.0.1",
+                 "--port", str(port), "--model", spec["model"], *sim_args, *flag],
+                stdout=log, stderr=subprocess.STDOUT)
+            stack.callback(_terminate, proc)
+            engine_urls.append(f"http://127.0.0.1:{port}")
+            externals.append({"name": name, "model": spec["model"], "kind": "external",
+                              "url": engine_urls[-1], "cache_salt": True,
+                              "kv_events": {"endpoint": endpoint.endpoint,
+                                            "replay_endpoint": endpoint.replay,
+                                            "topic": endpoint.topic}})
+        engines_yaml["engines"] = externals
+        gateway_yaml["limits"] = {"store_url": redis.url}
+        (folder / "engines.yaml").write_text(yaml.safe_dump(engines_yaml, sort_keys=False),
+                                             encoding="utf-8")
+        (folder / "gateway.yaml").write_text(yaml.safe_dump(gateway_yaml), encoding="utf-8")
+        urls = [stack.enter_context(gateway(folder, log_path=folder / f"gateway-{g}.log")).url
+                for g in range(gateways)]
+        yield urls, engine_urls
+
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

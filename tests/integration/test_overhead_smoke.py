@@ -42,6 +42,29 @@ def test_overhead_json_shape(tmp_path: Path, observability: str) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_overhead_workers_keys(tmp_path: Path) -> None:
+    """``--workers 2`` adds the ``gateway_workers`` path and the per-worker-count keys,
+    keeping the single-process ones."""
+    out = tmp_path / "overhead.json"
+    subprocess.run(
+        [sys.executable, "-m", "loadtest", "overhead", "--json", str(out),
+         "--duration", "0.5", "--warmup", "0.2", "--cells", "c64",
+         "--paths", "passthrough,gateway", "--workers", "2"],
+        cwd=ROOT, check=True, timeout=280, capture_output=True,
+    )
+    doc = json.loads(out.read_text())
+    assert set(doc["workers"]) == {"1", "2"}
+    assert doc["workers"]["1"] == {"c64_rps": doc["gateway"]["c64"]["rps"],
+                                   "cpu_ms_per_req": doc["gateway"]["c64"]["cpu_ms_per_req"]}
+    w2 = doc["gateway_workers"]["c64"]
+    assert w2["rps"] > 0 and w2["errors"] == 0 and w2["cpu_ms_per_req"] > 0, w2
+    assert doc["workers"]["2"]["c64_rps"] == w2["rps"]
+    assert isinstance(doc["ratio_gateway_passthrough_c64"], float)
+    assert isinstance(doc["ratio_gateway_workers_passthrough_c64"], float)
+    assert doc["meta"]["workers"] == 2
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(not _long_available(), reason="prepared gemma3-270m model not present")
 def test_overhead_long_cell(tmp_path: Path) -> None:
     """The long cell runs on the gateway with and without the turn cache; a request
