@@ -3,8 +3,12 @@ real engine.
 
 Sends the first N (default 100) Arena-Hard v0.1 prompts as streamed chat requests
 (max_tokens 64) at concurrency 1 and 8, straight to the engine and through the
-gateway, in the same run. At concurrency 1 the two paths alternate prompt by prompt
-so that drift in the machine's speed hits both alike. Prompts are cut to
+gateway, in the same run. Drift in the machine's speed (other jobs on a shared
+machine) must hit both paths alike: at concurrency 1 they alternate prompt by
+prompt; at concurrency 8 the prompts are split into ``--rounds`` (default 5) rounds,
+each run on both paths back to back, the path that goes first alternating round by
+round (ABBA), and ``throughput_ratio_c8`` is the median of the rounds' ratios (one
+round disturbed by a burst of other work does not decide it). Prompts are cut to
 ``--max-prompt-chars`` (default 4,000 ≈ 1,000 tokens) so they fit the engine's
 2,048-token context.
 
@@ -15,7 +19,9 @@ packaged GGUF (``loadtest.launch.llamacpp_config``; ``make llama-server`` first)
 
 JSON: ``{"engine_kind", "direct_headers", "limit", "direct"|"gateway": {"c1"|"c8":
 {ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, output_tok_s, errors}}, "throughput_ratio_c8":
-gateway/direct, "ttft_p50_added_ms_c1"}``. ``direct_headers``: with llama.cpp the direct
+gateway/direct (median of the rounds), "throughput_ratio_c8_rounds": [per round],
+"ttft_p50_added_ms_c1", "load_avg": [1-min load average at start, end]}`` (``c8``
+figures pool all rounds). ``direct_headers``: with llama.cpp the direct
 client sends ``Connection: close`` (llama-server drops the connection after each stream
 while announcing keep-alive; the gateway does the same, ``engines.kinds.llamacpp``).
 """
@@ -25,6 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -69,8 +77,10 @@ async def _run_concurrent(session: aiohttp.ClientSession, url: str, bodies: list
 
 
 async def measure(engine: str, gateway: str, model: str, prompts: list[str],
-                  max_tokens: int, direct_headers: dict[str, str] | None = None) -> dict[str, Any]:
-    """Both paths at c1 then c8; ``direct_headers`` go with every direct request."""
+                  max_tokens: int, direct_headers: dict[str, str] | None = None,
+                  rounds: int = 5) -> dict[str, Any]:
+    """Both paths at c1 then at c8 in ``rounds`` ABBA rounds (module docstring);
+    ``direct_headers`` go with every direct request."""
     paths = {"direct": engine + "/v1/chat/completions", "gateway": gateway + "/v1/chat/completions"}
     headers = {"direct": direct_headers, "gateway": None}
     bodies = [_body(model, p, max_tokens) for p in prompts]
@@ -88,12 +98,25 @@ async def measure(engine: str, gateway: str, model: str, prompts: list[str],
                 spent[name] += time.perf_counter() - t
         for name in paths:
             out[name]["c1"] = summarize(c1[name], spent[name])
+        c8: dict[str, list[Measured]] = {"direct": [], "gateway": []}
+        wall = {"direct": 0.0, "gateway": 0.0}
+        ratios = []
+        for r in range(rounds):
+            chunk = bodies[r * len(bodies) // rounds:(r + 1) * len(bodies) // rounds]
+            rate = {}
+            for name in (["direct", "gateway"] if r % 2 == 0 else ["gateway", "direct"]):
+                results, took = await _run_concurrent(session, paths[name], chunk, 8,
+                                                       headers[name])
+                c8[name] += results
+                wall[name] += took
+                rate[name] = summarize(results, took)["output_tok_s"]
+            if rate["direct"]:
+                ratios.append(round(rate["gateway"] / rate["direct"], 4))
         for name in paths:
-            results, wall = await _run_concurrent(session, paths[name], bodies, 8, headers[name])
-            out[name]["c8"] = summarize(results, wall)
+            out[name]["c8"] = summarize(c8[name], wall[name])
     d, g = out["direct"], out["gateway"]
-    out["throughput_ratio_c8"] = round(g["c8"]["output_tok_s"] / d["c8"]["output_tok_s"], 4) \
-        if d["c8"]["output_tok_s"] else None
+    out["throughput_ratio_c8"] = round(statistics.median(ratios), 4) if ratios else None
+    out["throughput_ratio_c8_rounds"] = ratios
     if d["c1"]["ttft_p50_ms"] is not None and g["c1"]["ttft_p50_ms"] is not None:
         out["ttft_p50_added_ms_c1"] = round(g["c1"]["ttft_p50_ms"] - d["c1"]["ttft_p50_ms"], 2)
     return out
@@ -110,7 +133,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--engine-url")
     ap.add_argument("--engine-kind", choices=["vllm", "llamacpp"], default="vllm",
                     help="engine sluice serve launches (default vllm, the shipped config)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="ABBA rounds of the concurrency-8 phase (default 5)")
     args = ap.parse_args(argv)
+    load_start = os.getloadavg()[0]
     prompts = [p[: args.max_prompt_chars] for p in read_prompts("v0.1")[: args.limit]]
     # llama-server closes the connection after each stream though it announces keep-alive
     # (engines.kinds.llamacpp); the direct client closes it too, as the gateway does,
@@ -118,7 +144,7 @@ def main(argv: list[str]) -> int:
     direct = {"Connection": "close"} if args.engine_kind == "llamacpp" else None
     if args.gateway_url and args.engine_url:
         result = asyncio.run(measure(args.engine_url, args.gateway_url, args.model, prompts,
-                                     args.max_tokens, direct))
+                                     args.max_tokens, direct, args.rounds))
     else:
         import tempfile
 
@@ -129,9 +155,9 @@ def main(argv: list[str]) -> int:
             with gateway(config) as gw:
                 (engine,) = gw.engine_urls()
                 result = asyncio.run(measure(engine, gw.url, args.model, prompts,
-                                             args.max_tokens, direct))
+                                             args.max_tokens, direct, args.rounds))
     result = {"engine_kind": args.engine_kind, "direct_headers": direct, "limit": args.limit,
-              **result}
+              "rounds": args.rounds, **result, "load_avg": [load_start, os.getloadavg()[0]]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
