@@ -20,8 +20,10 @@ pytestmark = pytest.mark.timeout(240)
 FAST = 4.0  # simulator speed factor
 SLOTS = 3  # the llama.cpp-dialect engine's --max-num-seqs, reported as total_slots
 # TPOT target 40 ms: the knee (44 + 4 b) / speed ≤ 40 ms is ~29 at speed 4, and no
-# batch meets it at speed 0.5 (tests/integration/test_adaptive.py, same profile)
-SLO = {"ttft_s": 5.0, "tpot_s": 0.04}
+# batch meets it at speed 0.5 (tests/integration/test_adaptive.py, same profile). The
+# TTFT target and queue wait are long enough that the slowed engine's backlog is served,
+# not shed: the test is about admission, not overload.
+SLO = {"ttft_s": 120.0, "tpot_s": 0.04}
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +34,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory):
     cfg = write_config(
         tmp_path_factory.mktemp("unmetered"), tenants=[tenant("t")], engines=engines,
         gateway={"slo": {"interactive": SLO, "standard": SLO, "batch": SLO},
-                 "queue": {"default_max_wait_s": 60}},
-        saturation={"max_waiting": 1000})  # the llama.cpp engine's own queue is tested too
+                 "queue": {"default_max_wait_s": 300}})
     with gateways(cfg, 1) as (gw,):
         yield gw
 
@@ -100,12 +101,13 @@ async def test_limit_follows_observations_and_never_starves(gateway) -> None:
 
             async def rose() -> bool:
                 await sample()
-                return seen["limit"] > 4 and seen["in_flight"] > 4 \
+                return seen["limit"] >= 8 and seen["in_flight"] >= 8 \
                     and seen["llama_in_flight"] == SLOTS
 
-            await wait_for(rose, 90, "the learned limit to rise above 4 and be used",
+            await wait_for(rose, 90, "the learned limit to rise to twice its start and be used",
                            poll_s=0.1)
             high = seen["limit"]
+            print(f"rose after {done}: {seen}")
             async with session.post(urls["tgi"] + "/sim/speed", json={"speed": 0.5}) as r:
                 assert r.status == 200
             slowed_at = done["tgi-model"]
