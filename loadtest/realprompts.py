@@ -20,6 +20,8 @@ packaged GGUF (``loadtest.launch.llamacpp_config``; ``make llama-server`` first)
 JSON: ``{"engine_kind", "direct_headers", "limit", "direct"|"gateway": {"c1"|"c8":
 {ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, output_tok_s, errors}}, "throughput_ratio_c8":
 gateway/direct (median of the rounds), "throughput_ratio_c8_rounds": [per round],
+"gateway_limit_c8_rounds": [the gateway's concurrency limit for the engine after each
+round],
 "ttft_p50_added_ms_c1", "load_avg": [1-min load average at start, end]}`` (``c8``
 figures pool all rounds). ``direct_headers``: with llama.cpp the direct
 client sends ``Connection: close`` (llama-server drops the connection after each stream
@@ -76,11 +78,22 @@ async def _run_concurrent(session: aiohttp.ClientSession, url: str, bodies: list
     return results, time.perf_counter() - start
 
 
+async def _gateway_limit(session: aiohttp.ClientSession, gateway: str) -> float | None:
+    """The gateway's ``sluice_engine_concurrency_limit`` (its only engine), or None."""
+    async with session.get(gateway + "/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith("sluice_engine_concurrency_limit{"):
+            return float(line.rpartition(" ")[2])
+    return None
+
+
 async def measure(engine: str, gateway: str, model: str, prompts: list[str],
                   max_tokens: int, direct_headers: dict[str, str] | None = None,
-                  rounds: int = 5) -> dict[str, Any]:
-    """Both paths at c1 then at c8 in ``rounds`` ABBA rounds (module docstring);
-    ``direct_headers`` go with every direct request."""
+                  rounds: int = 5, c1_limit: int | None = None) -> dict[str, Any]:
+    """Both paths at c1 (the first ``c1_limit`` prompts, default all) then at c8 in
+    ``rounds`` ABBA rounds (module docstring); ``direct_headers`` go with every direct
+    request."""
     paths = {"direct": engine + "/v1/chat/completions", "gateway": gateway + "/v1/chat/completions"}
     headers = {"direct": direct_headers, "gateway": None}
     bodies = [_body(model, p, max_tokens) for p in prompts]
@@ -90,7 +103,7 @@ async def measure(engine: str, gateway: str, model: str, prompts: list[str],
             await send_measured(session, url, _body(model, "Hello", 4), headers[name])
         c1: dict[str, list[Measured]] = {"direct": [], "gateway": []}
         spent = {"direct": 0.0, "gateway": 0.0}
-        for i, body in enumerate(bodies):
+        for i, body in enumerate(bodies[:c1_limit]):
             order = ["direct", "gateway"] if i % 2 == 0 else ["gateway", "direct"]
             for name in order:
                 t = time.perf_counter()
@@ -100,7 +113,7 @@ async def measure(engine: str, gateway: str, model: str, prompts: list[str],
             out[name]["c1"] = summarize(c1[name], spent[name])
         c8: dict[str, list[Measured]] = {"direct": [], "gateway": []}
         wall = {"direct": 0.0, "gateway": 0.0}
-        ratios = []
+        ratios, limits = [], []
         for r in range(rounds):
             chunk = bodies[r * len(bodies) // rounds:(r + 1) * len(bodies) // rounds]
             rate = {}
@@ -110,6 +123,8 @@ async def measure(engine: str, gateway: str, model: str, prompts: list[str],
                 c8[name] += results
                 wall[name] += took
                 rate[name] = summarize(results, took)["output_tok_s"]
+                if name == "gateway":
+                    limits.append(await _gateway_limit(session, gateway))
             if rate["direct"]:
                 ratios.append(round(rate["gateway"] / rate["direct"], 4))
         for name in paths:
@@ -117,6 +132,7 @@ async def measure(engine: str, gateway: str, model: str, prompts: list[str],
     d, g = out["direct"], out["gateway"]
     out["throughput_ratio_c8"] = round(statistics.median(ratios), 4) if ratios else None
     out["throughput_ratio_c8_rounds"] = ratios
+    out["gateway_limit_c8_rounds"] = limits
     if d["c1"]["ttft_p50_ms"] is not None and g["c1"]["ttft_p50_ms"] is not None:
         out["ttft_p50_added_ms_c1"] = round(g["c1"]["ttft_p50_ms"] - d["c1"]["ttft_p50_ms"], 2)
     return out
@@ -135,6 +151,8 @@ def main(argv: list[str]) -> int:
                     help="engine sluice serve launches (default vllm, the shipped config)")
     ap.add_argument("--rounds", type=int, default=5,
                     help="ABBA rounds of the concurrency-8 phase (default 5)")
+    ap.add_argument("--c1-limit", type=int,
+                    help="prompts of the concurrency-1 phase (default: all --limit)")
     args = ap.parse_args(argv)
     load_start = os.getloadavg()[0]
     prompts = [p[: args.max_prompt_chars] for p in read_prompts("v0.1")[: args.limit]]
@@ -144,7 +162,7 @@ def main(argv: list[str]) -> int:
     direct = {"Connection": "close"} if args.engine_kind == "llamacpp" else None
     if args.gateway_url and args.engine_url:
         result = asyncio.run(measure(args.engine_url, args.gateway_url, args.model, prompts,
-                                     args.max_tokens, direct, args.rounds))
+                                     args.max_tokens, direct, args.rounds, args.c1_limit))
     else:
         import tempfile
 
@@ -155,9 +173,10 @@ def main(argv: list[str]) -> int:
             with gateway(config) as gw:
                 (engine,) = gw.engine_urls()
                 result = asyncio.run(measure(engine, gw.url, args.model, prompts,
-                                             args.max_tokens, direct, args.rounds))
+                                             args.max_tokens, direct, args.rounds, args.c1_limit))
     result = {"engine_kind": args.engine_kind, "direct_headers": direct, "limit": args.limit,
-              "rounds": args.rounds, **result, "load_avg": [load_start, os.getloadavg()[0]]}
+              "rounds": args.rounds, "c1_limit": args.c1_limit, **result,
+              "load_avg": [load_start, os.getloadavg()[0]]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
