@@ -382,6 +382,7 @@ class KVEventSubscribers:
         self.context = context
         self.subscribers: dict[str, KVEventSubscriber] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def follow(self, engines: Sequence[Engine]) -> None:
         """Start following each of ``engines`` with an endpoint not yet followed."""
@@ -392,11 +393,21 @@ class KVEventSubscribers:
             self.subscribers[engine.id] = sub
             self._tasks[engine.id] = asyncio.create_task(sub.run(), name=f"kv-events:{engine.id}")
 
+    def unfollow(self, engine: Engine) -> None:
+        """Stop following ``engine`` (it left the pool); its sockets close as the
+        cancelled task ends (:meth:`stop` waits for any still closing)."""
+        task = self._tasks.pop(engine.id, None)
+        self.subscribers.pop(engine.id, None)
+        if task is not None:
+            task.cancel()
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
     async def stop(self) -> None:
         """Cancel every subscriber and wait for its sockets to close."""
         for task in self._tasks.values():
             task.cancel()
-        for task in self._tasks.values():
+        for task in [*self._tasks.values(), *self._closing]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()

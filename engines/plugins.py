@@ -234,6 +234,43 @@ class PredictedTtft:
         return [best / p if p is not None and p > 0 else 0.0 for p in preds]
 
 
+class PrefillBacklog:
+    """Prefers the engine that will compute the request's first token soonest, in
+    prefill tokens: the uncached prompt tokens already waiting there plus this
+    request's own uncached ones.
+
+    ``cost = pending + max(0, prompt_tokens − hit)`` tokens, ``pending`` being the
+    uncached prompt tokens of this gateway's requests on the engine that have not had
+    their first token (the request ledger of :mod:`limits.engine_latency`, exact and
+    current; 0 for an engine without one, i.e. with adaptive admission off) and
+    ``hit`` the leading blocks the prefix index says the engine holds, in tokens.
+    Score = ``min cost / cost`` over the candidates (proportional: the engine with the
+    least work ahead of the request's first token scores 1, one with twice as much
+    0.5); costs are floored at 1 token. An engine that schedules FCFS with chunked
+    prefill (vLLM's default) starts the request's first token after that many prefill
+    tokens, so on engines of one speed this ranks them by TTFT without a fitted model
+    (``predicted-ttft`` converts the same tokens to seconds per engine). Blind to other
+    gateway replicas' requests. Source: the prefill cost of NVIDIA Dynamo's KV router
+    (active prompt tokens plus the request's uncached ones, decreased when the first
+    token signals the end of prefill; docs.nvidia.com/dynamo, "Routing Concepts"),
+    and the KVCache-centric scheduling of Mooncake's Conductor, which sends a request to
+    the prefill instance with the least queued prefill time plus the prefill time of
+    its uncached part (Qin et al., FAST 2025). No parameters.
+    """
+
+    Params = NoParams
+
+    def score(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[float]:
+        n = len(req.blocks)
+        costs = []
+        for e in engines:
+            hit = min(req.prefix_matches.get(e.id, 0), n) * req.block_size
+            pending = e.latency.pending_prefill_tokens if e.latency is not None else 0
+            costs.append(max(1, pending + max(0, req.prompt_tokens - hit)))
+        best = min(costs, default=1)
+        return [best / c for c in costs]
+
+
 class MaxScore:
     """Picks the engine with the highest total score; ties (totals within
     ``tolerance``, default 1e-9) are broken uniformly at random with ``rng``."""
@@ -278,6 +315,7 @@ SCORERS: Mapping[str, type[Scorer]] = MappingProxyType({
     "queue-depth": QueueDepth,
     "session-affinity": SessionAffinity,
     "predicted-ttft": PredictedTtft,
+    "prefill-backlog": PrefillBacklog,
 })
 PICKERS: Mapping[str, type[Picker]] = MappingProxyType({
     "max-score": MaxScore,

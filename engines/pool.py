@@ -19,7 +19,8 @@ from limits.engine_latency import EngineLatency
 
 class EngineState(enum.Enum):
     """Life cycle: starting → ready ⇄ unhealthy → restarting → starting …;
-    draining → stopped on shutdown. Only ``ready`` engines receive traffic."""
+    draining → stopped on shutdown or when a reload removes the engine. Only
+    ``ready`` engines receive traffic."""
 
     STARTING = "starting"
     READY = "ready"
@@ -140,19 +141,42 @@ class EnginePool:
     """All engines, in configuration order.
 
     ``listeners`` are plain callables run synchronously on every :meth:`notify`; they
-    must not block (typically they set an ``asyncio.Event``).
+    must not block (typically they set an ``asyncio.Event``). ``on_add`` and
+    ``on_remove`` callables receive each engine as it joins or leaves the pool (a
+    reload adds and removes engines while the gateway runs): whoever keeps state per
+    engine (latency ledger, KV-event subscriber, prefix index, metric series) starts
+    or drops it there.
     """
 
     def __init__(self, engines: list[Engine] | None = None) -> None:
         self.engines: list[Engine] = []
         self._by_model: dict[str, list[Engine]] = {}  # for_model on the request path
         self.listeners: list[Callable[[], None]] = []
+        self.on_add: list[Callable[[Engine], None]] = []
+        self.on_remove: list[Callable[[Engine], None]] = []
         for e in engines or ():
             self.add(e)
 
     def add(self, engine: Engine) -> None:
+        """Add ``engine`` (its id must not be in the pool)."""
         self.engines.append(engine)
         self._by_model.setdefault(engine.model, []).append(engine)
+        for fn in self.on_add:
+            fn(engine)
+        self.notify()
+
+    def remove(self, engine: Engine) -> None:
+        """Take ``engine`` out of the pool (no-op if it is not there). Leases still
+        held on it release normally."""
+        if engine not in self.engines:
+            return
+        self.engines.remove(engine)
+        same = self._by_model[engine.model]
+        same.remove(engine)
+        if not same:
+            del self._by_model[engine.model]
+        for fn in self.on_remove:
+            fn(engine)
         self.notify()
 
     def get(self, engine_id: str) -> Engine | None:

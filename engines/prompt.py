@@ -285,19 +285,39 @@ class PromptBlocks:
         self.pool = pool
         self.block_size_override = cfg.scheduler.prefix.block_size
         self.max_blocks = cfg.scheduler.prefix.max_blocks
-        self._encoders: dict[str, PromptEncoder] = {}
+        self.turn_cache_tokens = cfg.scheduler.prefix.turn_cache_tokens
+        self.cache_dir = cache_dir
+        self._encoders: dict[str, PromptEncoder] = dict(encoders or {})
+        self._overrides = frozenset(encoders or {})
         #: models whose encoder reproduces the engine's own token count
-        self._exact: set[str] = set()
-        for spec in cfg.engines:
-            if spec.model not in self._encoders:
-                enc = self._encoders[spec.model] = encoder_for(
-                    spec, cache_dir, cfg.scheduler.prefix.turn_cache_tokens)
-                # the simulator's tokenizer, the model's own, or one the spec names
-                if spec.kind == "sim" or isinstance(enc, HFEncoder) or spec.tokenizer:
-                    self._exact.add(spec.model)
-        self._encoders.update(encoders or {})
-        self._exact.update(encoders or {})
+        self._exact: set[str] = set(self._overrides)
+        self._specs: dict[str, EngineSpec] = {}  # model -> the spec its encoder is from
         self._fallback = FallbackEncoder()
+        self.set_engines(cfg.engines)
+
+    def set_engines(self, specs: list[EngineSpec]) -> None:
+        """Serve the models of ``specs`` (a reload): a new model, or one whose first
+        spec changed kind or tokenizer, gets its encoder; a model no longer served
+        loses its own."""
+        first: dict[str, EngineSpec] = {}
+        for spec in specs:
+            first.setdefault(spec.model, spec)
+        for model in [m for m in self._specs if m not in first]:
+            del self._specs[model], self._encoders[model]
+            self._exact.discard(model)
+        for model, spec in first.items():
+            old = self._specs.get(model)
+            if model in self._overrides or old is not None and (
+                    old.kind, old.tokenizer_source) == (spec.kind, spec.tokenizer_source):
+                continue
+            enc = self._encoders[model] = encoder_for(spec, self.cache_dir,
+                                                      self.turn_cache_tokens)
+            self._specs[model] = spec
+            # the simulator's tokenizer, the model's own, or one the spec names
+            if spec.kind == "sim" or isinstance(enc, HFEncoder) or spec.tokenizer:
+                self._exact.add(model)
+            else:
+                self._exact.discard(model)
 
     def encoder(self, model: str) -> PromptEncoder:
         return self._encoders.get(model, self._fallback)

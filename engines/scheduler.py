@@ -82,15 +82,27 @@ class Scheduler:
     """
 
     def __init__(self, cfg: SchedulerConfig, rng: random.Random | None = None) -> None:
-        self.filters = [build_filter(f) for f in cfg.filters]
-        self.scorers = [(s.type, s.weight, build_scorer(s)) for s in cfg.scorers]
-        self.picker = build_picker(cfg.picker, rng or random.Random())
+        self.rng = rng or random.Random()
+        self.set_plugins(cfg)
         p = cfg.prefix
         self.source = p.source
         self.index: PrefixIndex | EventPrefixIndex = (
             EventPrefixIndex(p.max_bytes, p.ttl_s, p.predicted_ttl_s, p.block_size)
             if p.source == "events" else PrefixIndex(p.max_bytes, p.ttl_s))
         self.sessions = SessionTable(cfg.sessions.max_sessions, cfg.sessions.ttl_s)
+
+    def set_plugins(self, cfg: SchedulerConfig) -> None:
+        """Build ``cfg``'s filters, scorers and picker (also on a reload: the plugins
+        are pure, so the next pick uses the new ones). The prefix index and the
+        session table are kept; their settings (``prefix``, ``sessions``) take
+        effect on a restart.
+
+        Raises:
+            ValueError: a plugin type is unknown or its params are invalid.
+        """
+        self.filters = [build_filter(f) for f in cfg.filters]
+        self.scorers = [(s.type, s.weight, build_scorer(s)) for s in cfg.scorers]
+        self.picker = build_picker(cfg.picker, self.rng)
 
     def pick(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> Decision | None:
         """The engine for ``req`` among ``engines``, or None if no engine is ready

@@ -89,7 +89,8 @@ async def wait_for(pool: EnginePool, predicate: Callable[[], bool], timeout_s: f
 
 
 class Supervisor:
-    """Launches, watches and stops the engines of ``cfg``.
+    """Launches, watches and stops the engines of ``cfg``; :meth:`reconfigure` adds
+    and retires engines while it runs.
 
     Args:
         cfg: engines and supervisor timings.
@@ -122,15 +123,28 @@ class Supervisor:
         self.clock = clock
         self.commands = commands
         self.run_dir = run_dir
+        #: every engine supervised, draining ones included until they are stopped
         self.runners: list[EngineRunner] = []
-        self._runner_tasks: list[asyncio.Task] = []
-        self._poller_tasks: list[asyncio.Task] = []
-        self._stopped = False
+        #: the specs in effect, by name (a changed spec's new version is here while
+        #: its old engines drain)
+        self.specs: dict[str, EngineSpec] = {}
+        self._launched: dict[str, list[EngineRunner]] = {}  # spec name -> its runners
+        self._tasks: dict[EngineRunner, tuple[asyncio.Task, asyncio.Task]] = {}
+        self._retiring: dict[str, asyncio.Task] = {}  # spec name -> drain, then relaunch
+        self._taken: set[int] = set()  # ports in use or reserved
+        self._ports: dict[EngineRunner, set[int]] = {}  # the ports each one took
+        self._started = self._stopped = False
 
     @property
     def engines(self) -> list[Engine]:
-        """The engines this supervisor created, in configuration order."""
+        """The engines this supervisor runs, in configuration order (draining ones
+        last, until they are stopped)."""
         return [r.engine for r in self.runners]
+
+    def _check_commands(self, specs: list[EngineSpec]) -> None:
+        unknown = {s.kind for s in specs if s.kind != "external"} - set(self.commands)
+        if unknown:
+            raise ValueError(f"no command to launch engine kind(s) {sorted(unknown)}")
 
     async def start(self) -> None:
         """Add every engine to the pool (state ``starting``), launch the processes and
@@ -141,58 +155,153 @@ class Supervisor:
             ValueError: a launched spec's ``kind`` has no command builder (nothing is
                 added to the pool then).
         """
-        if self.runners:
+        if self._started:
             raise RuntimeError("supervisor already started")
-        unknown = {s.kind for s in self.cfg.engines if s.kind != "external"} - set(self.commands)
-        if unknown:
-            raise ValueError(f"no command to launch engine kind(s) {sorted(unknown)}")
-        run_dir = self.run_dir or Path(
+        self._check_commands(self.cfg.engines)
+        self._started = True
+        self.run_dir = self.run_dir or Path(
             os.environ.get("SLUICE_RUN_DIR") or tempfile.mkdtemp(prefix="sluice-run-")
         )
+        self._taken = {s.port for s in self.cfg.engines if s.port is not None}
+        for spec in self.cfg.engines:
+            self.specs[spec.name] = spec
+            self._launch(spec)
+        log.info("supervising %d engines; logs in %s", len(self.runners), self.run_dir)
+
+    def _launch(self, spec: EngineSpec) -> None:
+        """Add ``spec``'s engines to the pool (``starting``: no traffic until a probe
+        passes) and start their runner and metrics tasks."""
+        assert self.run_dir is not None
         sup = self.cfg.supervisor
         events = self.cfg.scheduler.prefix.source == "events"
-        taken: set[int] = {s.port for s in self.cfg.engines if s.port is not None}
-        for spec in self.cfg.engines:
-            command = None if spec.kind == "external" else self.commands[spec.kind]
-            for engine_id in engine_ids(spec):
-                if command is None:
-                    port, base_url = 0, _external_base_url(str(spec.url))
-                else:
-                    port = spec.port or choose_port(spec.host, spec.port_range, taken)
-                    taken.add(port)
-                    base_url = f"http://{spec.host}:{port}"
-                # open long enough for the runner's inference probe to decide first
-                breaker = CircuitBreaker(failure_threshold=sup.failure_threshold,
-                                         open_s=sup.probe_interval_s + sup.probe_timeout_s,
-                                         clock=self.clock)
-                engine = Engine(id=engine_id, model=spec.model, base_url=base_url,
-                                breaker=breaker, labels={"spec": spec.name, "kind": spec.kind,
-                                                         "role": spec.role,
-                                                         "dialect": spec.engine_dialect},
-                                priority_scheduling=spec.priority_scheduling,
-                                cost_per_hour=spec.cost_per_hour)
-                extra: list[str] = []
-                if events and spec.kind in KV_EVENT_KINDS:
-                    engine.kv_events, extra = kv_events_flag(engine_id, spec.host, taken)
-                elif events and spec.kv_events is not None:
-                    ev = spec.kv_events
-                    engine.kv_events = EventsEndpoint(ev.endpoint, ev.replay_endpoint, ev.topic)
-                self.pool.add(engine)
-                self.runners.append(EngineRunner(
-                    engine, spec, port, sup, self.pool, self.session, command=command,
-                    log_path=run_dir / f"{engine_id}.log",
-                    model_cache_dir=self.model_cache_dir, clock=self.clock, extra_args=extra,
-                ))
-        for runner in self.runners:
+        command = None if spec.kind == "external" else self.commands[spec.kind]
+        runners = self._launched[spec.name] = []
+        for engine_id in engine_ids(spec):
+            before = set(self._taken)
+            if command is None:
+                port, base_url = 0, _external_base_url(str(spec.url))
+            else:
+                port = spec.port or choose_port(spec.host, spec.port_range, self._taken)
+                self._taken.add(port)
+                base_url = f"http://{spec.host}:{port}"
+            # open long enough for the runner's inference probe to decide first
+            breaker = CircuitBreaker(failure_threshold=sup.failure_threshold,
+                                     open_s=sup.probe_interval_s + sup.probe_timeout_s,
+                                     clock=self.clock)
+            engine = Engine(id=engine_id, model=spec.model, base_url=base_url,
+                            breaker=breaker, labels={"spec": spec.name, "kind": spec.kind,
+                                                     "role": spec.role,
+                                                     "dialect": spec.engine_dialect},
+                            priority_scheduling=spec.priority_scheduling,
+                            cost_per_hour=spec.cost_per_hour)
+            extra: list[str] = []
+            if events and spec.kind in KV_EVENT_KINDS:
+                engine.kv_events, extra = kv_events_flag(engine_id, spec.host, self._taken)
+            elif events and spec.kv_events is not None:
+                ev = spec.kv_events
+                engine.kv_events = EventsEndpoint(ev.endpoint, ev.replay_endpoint, ev.topic)
+            runner = EngineRunner(
+                engine, spec, port, sup, self.pool, self.session, command=command,
+                log_path=self.run_dir / f"{engine_id}.log",
+                model_cache_dir=self.model_cache_dir, clock=self.clock, extra_args=extra,
+            )
+            runners.append(runner)
+            self.runners.append(runner)
+            self._ports[runner] = (self._taken - before) | {port}
+            self.pool.add(engine)
+        for runner in runners:
             poller = MetricsPoller(
                 self.pool, runner.engine, self.session, interval_s=sup.metrics_interval_s,
                 timeout_s=sup.probe_timeout_s, clock=self.clock,
                 kind=KINDS[runner.spec.engine_dialect],
             )
             name = runner.engine.id
-            self._runner_tasks.append(asyncio.create_task(runner.run(), name=f"run:{name}"))
-            self._poller_tasks.append(asyncio.create_task(poller.run(), name=f"metrics:{name}"))
-        log.info("supervising %d engines; logs in %s", len(self.runners), run_dir)
+            self._tasks[runner] = (asyncio.create_task(runner.run(), name=f"run:{name}"),
+                                   asyncio.create_task(poller.run(), name=f"metrics:{name}"))
+
+    def reconfigure(self, specs: list[EngineSpec], grace_s: float) -> tuple[list[str], list[str]]:
+        """Make the fleet run ``specs`` (a reloaded ``engines.yaml``), by spec name:
+
+        * a new name: its engines join the pool ``starting`` and take traffic once a
+          probe passes (launched kinds are started; ``external`` ones probed);
+        * a name gone: its engines are marked ``draining`` at once (no new
+          placement, retry or disaggregation leg: only ``ready`` engines are
+          routable), their in-flight requests get up to ``grace_s`` seconds to
+          finish, then launched processes are stopped (SIGTERM, SIGKILL after
+          ``supervisor.stop_grace_s``) and the engines leave the pool
+          (:attr:`EnginePool.on_remove`);
+        * a changed spec (same name, any field different): the old engines drain and
+          stop as above, then the new ones start under the same ids (a fixed
+          ``port`` is free again by then; to replace an engine without a gap, add
+          the new one under another name first).
+
+        Synchronous: every state change above that applies now is made before it
+        returns; draining and relaunching continue in the background.
+
+        Returns:
+            (names added or changed, names removed or changed), sorted.
+
+        Raises:
+            RuntimeError: before :meth:`start` or after :meth:`stop`.
+            ValueError: a launched kind has no command builder (nothing changes).
+        """
+        if not self._started or self._stopped:
+            raise RuntimeError("supervisor not running")
+        self._check_commands(specs)
+        wanted = {s.name: s for s in specs}
+        gone = sorted(n for n, s in self.specs.items() if wanted.get(n) != s)
+        new = sorted(n for n in wanted if self.specs.get(n) != wanted[n])
+        self._taken.update(wanted[n].port for n in new if wanted[n].port is not None)
+        for name in gone:
+            del self.specs[name]
+        for name in new:
+            self.specs[name] = wanted[name]
+        for name in sorted(set(gone) | set(new)):
+            old = self._launched.pop(name, [])
+            for runner in old:  # draining now: the runner must not mark it again
+                self._tasks[runner][0].cancel()
+                self.pool.set_state(runner.engine, EngineState.DRAINING)
+            before = self._retiring.get(name)
+            if not old and before is None:
+                self._launch(wanted[name])
+                continue
+            self._retiring[name] = asyncio.create_task(
+                self._replace(name, old, wanted.get(name), before, grace_s),
+                name=f"replace:{name}")
+        return new, gone
+
+    async def _replace(self, name: str, old: list[EngineRunner], spec: EngineSpec | None,
+                       before: asyncio.Task | None, grace_s: float) -> None:
+        """Retire ``old`` (after ``before``, an earlier change of the same name), then
+        launch ``spec`` if it is still the one in effect."""
+        if before is not None:
+            await asyncio.wait([before])
+        await self._retire(old, grace_s)
+        if spec is not None and self.specs.get(name) is spec and name not in self._launched:
+            self._launch(spec)
+        if self._retiring.get(name) is asyncio.current_task():
+            del self._retiring[name]
+
+    async def _retire(self, runners: list[EngineRunner], grace_s: float) -> None:
+        """Drain ``runners`` (already ``draining``), stop their processes and take
+        their engines out of the pool."""
+        if not runners:
+            return
+        await _cancel([self._tasks[r][0] for r in runners])
+        engines = [r.engine for r in runners]
+        if not await wait_for(self.pool, lambda: all(e.in_flight <= 0 for e in engines),
+                              grace_s):
+            log.warning("drain grace %.1fs over; stopping with requests in flight: %s",
+                        grace_s, {e.id: e.in_flight for e in engines if e.in_flight > 0})
+        await asyncio.gather(*(r.stop_process(self.cfg.supervisor.stop_grace_s)
+                               for r in runners))
+        for runner in runners:
+            self.pool.set_state(runner.engine, EngineState.STOPPED)
+            self.pool.remove(runner.engine)
+            self.runners.remove(runner)
+            self._taken -= self._ports.pop(runner)
+        await _cancel([self._tasks.pop(r)[1] for r in runners])
+        log.info("retired engines %s", [e.id for e in engines])
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """Wait until every engine is ``ready``. Returns False after ``timeout_s``
@@ -211,16 +320,17 @@ class Supervisor:
     async def stop(self, grace_s: float) -> None:
         """Drain and stop every engine; idempotent.
 
-        Stops probing and restarting, marks every engine ``draining`` (no new
-        traffic), waits up to ``grace_s`` seconds for their in-flight requests to
-        finish, then SIGTERMs each process group and SIGKILLs it after
-        ``SupervisorConfig.stop_grace_s``. Ends with every engine ``stopped`` and the
-        metrics pollers cancelled.
+        Stops probing, restarting and any reconfiguration in progress, marks every
+        engine ``draining`` (no new traffic), waits up to ``grace_s`` seconds for
+        their in-flight requests to finish, then SIGTERMs each process group and
+        SIGKILLs it after ``SupervisorConfig.stop_grace_s``. Ends with every engine
+        ``stopped`` and the metrics pollers cancelled.
         """
         if self._stopped:
             return
         self._stopped = True
-        await _cancel(self._runner_tasks)
+        await _cancel(list(self._retiring.values()))
+        await _cancel([run for run, _ in self._tasks.values()])
         for engine in self.engines:
             self.pool.set_state(engine, EngineState.DRAINING)
         idle = await wait_for(
@@ -234,7 +344,7 @@ class Supervisor:
         await asyncio.gather(*(r.stop_process(stop_grace) for r in self.runners))
         for engine in self.engines:
             self.pool.set_state(engine, EngineState.STOPPED)
-        await _cancel(self._poller_tasks)
+        await _cancel([poll for _, poll in self._tasks.values()])
 
 
 async def _cancel(tasks: list[asyncio.Task]) -> None:

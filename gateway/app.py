@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,9 +28,10 @@ from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from cache.service import open_cache
-from config.schema import PRIORITIES, Config
+from config.loader import ConfigError, check_cross_refs
+from config.schema import PRIORITIES, Config, EnginesConfig, TenantsConfig
 from engines.kv_events import KVEventSubscribers
-from engines.pool import EnginePool
+from engines.pool import Engine, EnginePool
 from engines.prefix_events import EventPrefixIndex
 from engines.scheduler import Scheduler
 from engines.supervisor import Supervisor
@@ -62,7 +64,7 @@ from gateway.keys import (
 from gateway.metrics import FleetCollector, GatewayMetrics
 from gateway.middlewares import auth_middleware, errors_middleware
 from gateway.proxy import EngineClient
-from gateway.reload import TenantReloader
+from gateway.reload import ConfigReloader, reloadable_engines
 from gateway.stats import StatsFeed
 from gateway.tracing import make_tracer
 from limits.admission import AdmissionQueue
@@ -74,6 +76,7 @@ from limits.saturation import SaturationDetector
 from limits.stores import open_store
 
 STARTED = int(time.time())
+log = logging.getLogger("sluice.app")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -124,7 +127,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     pool = request.app[POOL]
-    wanted = request.app[CONFIG].engines.model_names()
+    wanted = list(request.app[QUEUES])  # the served models, as last (re)loaded
     have = set(pool.ready_models())
     missing = [m for m in wanted if m not in have]
     body = {
@@ -180,12 +183,16 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app[OBSERVERS] = ([metrics.observe] if obs.metrics else []) + (
         [log_access] if obs.access_log else [])
     app[SPANS], app[TRACER_PROVIDER] = make_tracer(obs, span_exporter)
-    tenants_path = cfg.paths.get("tenants")
-    app[RELOADER] = TenantReloader(path=Path(tenants_path), tenants=app[TENANTS],
-                                   on_result=metrics.on_reload) if tenants_path else None
+    watched = {kind: (Path(path), apply) for kind, path, apply in (
+        ("tenants", cfg.paths.get("tenants"), app[TENANTS].replace),
+        ("engines", cfg.paths.get("engines"), lambda new: reload_engines(app, new)),
+    ) if path}
+    app[RELOADER] = ConfigReloader(watched, on_result=metrics.on_reload) if watched else None
+    app[POOL].on_remove.append(metrics.forget_engine)
     app[STATS] = StatsFeed(metrics=metrics, pool=app[POOL], queues=app[QUEUES],
                            reloads=app[RELOADER].history if app[RELOADER] else (),
                            tpot_target_s=tightest_tpot_s)
+    app[POOL].on_remove.append(app[STATS].forget_engine)
 
     app.cleanup_ctx.append(engines_ctx)
     app.cleanup_ctx.append(pipeline_ctx)
@@ -205,6 +212,35 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     return app
+
+
+def reload_engines(app: web.Application, new: EnginesConfig) -> None:
+    """Apply a reloaded ``engines.yaml`` to the running app (:mod:`gateway.reload`):
+    the supervisor adds, drains and retires engines; the director serves the new
+    model list (a model no longer served answers 404 ``model_not_found``, and its
+    queued requests get the same), scheduler plugins and saturation settings; the
+    metrics label the new models. Each process applies it to its own pool; the
+    supervisor of the process that owns the engines launches and stops them.
+
+    Raises:
+        ConfigError: the file fails the checks across files (a tenant's allowed
+            model or a fallback model not served) or names a kind that cannot be
+            launched; nothing changed.
+    """
+    director, supervisor = app[DIRECTOR], app[SUPERVISOR]
+    tenants: TenantsConfig = app[TENANTS].cfg
+    path = app[CONFIG].paths.get("engines")
+    check_cross_refs(Config(engines=new, tenants=tenants, paths=app[CONFIG].paths))
+    applied, pending = reloadable_engines(director.cfg.engines, new)
+    try:
+        added, removed = supervisor.reconfigure(applied.engines, app[CONFIG].gateway.drain_grace_s)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    director.set_engines(applied)
+    app[METRICS].set_models(applied.model_names())
+    log.info("engines reloaded: added %s, draining %s", added, removed)
+    if pending:
+        log.warning("%s: %s changed; these take effect on a restart", path, ", ".join(pending))
 
 
 # --------------------------------------------------------------------------- cleanup_ctx
@@ -250,9 +286,13 @@ async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
             q.kick()
 
     pool.listeners.append(kick)
+    pool.on_add.append(app[DIRECTOR].engine_added)
+    pool.on_remove.append(app[DIRECTOR].engine_removed)
     try:
         yield
     finally:
+        pool.on_add.remove(app[DIRECTOR].engine_added)
+        pool.on_remove.remove(app[DIRECTOR].engine_removed)
         pool.listeners.remove(kick)
         for q in queues.values():
             q.close()
@@ -269,11 +309,20 @@ async def kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
     if not isinstance(index, EventPrefixIndex):
         yield
         return
+    pool = app[POOL]
     subscribers = KVEventSubscribers(index)
-    subscribers.follow(app[POOL].engines)
+    subscribers.follow(pool.engines)
+
+    def follow(engine: Engine) -> None:
+        subscribers.follow([engine])
+
+    pool.on_add.append(follow)
+    pool.on_remove.append(subscribers.unfollow)
     app[METRICS].registry.register(subscribers)
     yield
     app[METRICS].registry.unregister(subscribers)
+    pool.on_add.remove(follow)
+    pool.on_remove.remove(subscribers.unfollow)
     await subscribers.stop()
 
 

@@ -21,7 +21,7 @@ from opentelemetry.trace import SpanKind
 from cache.policy import request_cacheable
 from cache.replay import as_json, as_sse
 from cache.service import CacheHit, CacheRequest, ResponseCache
-from config.schema import PRIORITIES, Config, DegradationConfig, TenantQuota
+from config.schema import PRIORITIES, Config, DegradationConfig, EnginesConfig, TenantQuota
 from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, PromptInput, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
@@ -76,6 +76,23 @@ def _call_all(callbacks: list[Callable[[], None]]) -> None:
         callback()
 
 
+def _split_models(engines: EnginesConfig) -> frozenset[str]:
+    """Models with prefill engines (prefill–decode disaggregation)."""
+    return frozenset(s.model for s in engines.engines if s.role == "prefill")
+
+
+def _salted_models(engines: EnginesConfig) -> set[str]:
+    """Models whose every engine accepts vLLM's ``cache_salt`` (when enabled)."""
+    return {m for m in engines.model_names()
+            if engines.scheduler.prefix.cache_salt
+            and all(s.accepts_cache_salt for s in engines.engines if s.model == m)}
+
+
+def _gone(model: str) -> Rejected:
+    return Rejected(Outcome.MODEL_NOT_FOUND,
+                    f"The model '{model}' is no longer served.", param="model")
+
+
 def _cache_control(request: web.Request) -> tuple[bool, bool]:
     """(no_cache, no_store) from ``Cache-Control``."""
     tokens = {t.strip().lower() for t in request.headers.get("Cache-Control", "").split(",")}
@@ -114,7 +131,7 @@ class Director:
         self.slo = cfg.gateway.slo
         self.adaptive = cfg.engines.saturation.adaptive
         #: prefill–decode disaggregation, for models with prefill engines
-        self.split_models = frozenset(s.model for s in cfg.engines.engines if s.role == "prefill")
+        self.split_models = _split_models(cfg.engines)
         disagg = Disaggregator(cfg.engines.disaggregation, clock)
         self.placer = Placer(pool=pool, scheduler=scheduler, detector=detector, clock=clock,
                              disagg=disagg, split_models=self.split_models,
@@ -132,11 +149,49 @@ class Director:
         self.prefill_leg = PrefillLeg(client, disagg.speed, self.spans)
         self.prompts = prompts or PromptBlocks(cfg.engines, pool)
         #: models whose every engine accepts vLLM's ``cache_salt``
-        self._salted = {m for m in cfg.engines.model_names()
-                        if cfg.engines.scheduler.prefix.cache_salt
-                        and all(s.accepts_cache_salt for s in cfg.engines.engines if s.model == m)}
+        self._salted = _salted_models(cfg.engines)
         self.default_output_tokens = cfg.gateway.default_output_tokens
         self._background: set[asyncio.Task[object]] = set()
+
+    # ------------------------------------------------------------------ reload
+
+    def set_engines(self, engines: EnginesConfig) -> None:
+        """Serve what a reloaded ``engines.yaml`` describes (as
+        :func:`gateway.reload.reloadable_engines` returns it): an admission queue per
+        model (a new model gets one; a model no longer served loses it — requests for
+        it then get 404 ``model_not_found``, and so do those still queued), each
+        model's degradation ladder, prompt encoder, ``cache_salt`` and split choice,
+        the scheduler's plugins and the saturation thresholds. The engines
+        themselves come and go through the pool (:meth:`engine_added`,
+        :meth:`engine_removed`)."""
+        self.cfg = self.cfg.model_copy(update={"engines": engines})
+        models = engines.model_names()
+        for model in set(self.queues) - set(models):
+            self.queues.pop(model).close(functools.partial(_gone, model))
+            del self.mix[model]
+            self.placer.demand.pop(model, None)
+        served = {m: self.queues.get(m) or AdmissionQueue(
+            model=m, config=self.cfg.gateway.queue, clock=self.clock) for m in models}
+        self.queues.clear()  # shared with the metrics and the stats feed: same dict
+        self.queues.update(served)
+        for model in models:
+            self.mix.setdefault(model, capacity.MixTracker())
+        self._degradation = {m: engines.model_settings(m).degradation for m in models}
+        self.split_models = self.placer.split_models = _split_models(engines)
+        self._salted = _salted_models(engines)
+        self.prompts.set_engines(engines.engines)
+        self.placer.scheduler.set_plugins(engines.scheduler)
+        self.placer.detector = SaturationDetector.from_config(engines)
+
+    def engine_added(self, engine: Engine) -> None:
+        """``engine`` joined the pool (:attr:`EnginePool.on_add`): its latency ledger."""
+        self.placer.track(engine)
+
+    def engine_removed(self, engine: Engine) -> None:
+        """``engine`` left the pool (:attr:`EnginePool.on_remove`): its prefix-index
+        entries and prefill-speed estimate go."""
+        self.placer.scheduler.index.forget(engine.id)
+        self.placer.forget(engine)
 
     # ------------------------------------------------------------------ checks
 
@@ -471,8 +526,9 @@ class Director:
             if ok:
                 uncached = flight.uncached_tokens if result.cached_tokens is None \
                     else max(0, result.prompt_tokens - result.cached_tokens)
-                self.mix[engine.model].observe(result.prompt_tokens, uncached,
-                                               result.completion_tokens)
+                mix = self.mix.get(engine.model)  # None: the model left with a reload
+                if mix is not None:
+                    mix.observe(result.prompt_tokens, uncached, result.completion_tokens)
         rec.outcome = result.outcome
         rec.ttft_s = None if result.ttft_s is None else (rec.prefill_s or 0.0) + result.ttft_s
         rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens

@@ -153,6 +153,11 @@ class PrefillSpeed:
             if not finished:
                 self.done(engine, tokens, ahead, None)
 
+    def forget(self, engine_id: str) -> None:
+        """Drop what is known of an engine that left the pool."""
+        self.outstanding.pop(engine_id, None)
+        self.s_per_token.pop(engine_id, None)
+
     def done(self, engine: Engine, tokens: int, ahead: int, elapsed_s: float | None) -> None:
         """The prefill :meth:`start` ed with these ``tokens`` and ``ahead`` ended
         after ``elapsed_s`` (None: it failed or was cancelled; no observation)."""

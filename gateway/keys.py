@@ -18,7 +18,7 @@ from engines.supervisor import Supervisor
 from gateway.auth import TenantDirectory
 from gateway.metrics import GatewayMetrics
 from gateway.record import Observer, RequestRecord
-from gateway.reload import TenantReloader
+from gateway.reload import ConfigReloader
 from gateway.stats import StatsFeed
 from gateway.tracing import Spans
 from limits.admission import AdmissionQueue
@@ -47,8 +47,8 @@ SPANS = web.AppKey("spans", Spans)
 TRACER_PROVIDER = web.AppKey("tracer_provider", TracerProvider | None)
 #: where ``packaged:`` models are prepared (None: the default folder)
 MODEL_CACHE_DIR = web.AppKey("model_cache_dir", Path | None)
-#: None when no tenants file is watched
-RELOADER = web.AppKey("reloader", TenantReloader | None)
+#: None when no configuration file is watched (no paths in the config)
+RELOADER = web.AppKey("reloader", ConfigReloader | None)
 # created once the app starts (in its cleanup_ctx)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)

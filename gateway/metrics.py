@@ -160,6 +160,23 @@ class GatewayMetrics:
     def on_reload(self, result: str) -> None:
         self.reloads.labels(result).inc()
 
+    def set_models(self, models: list[str]) -> None:
+        """The configured models after a reload (others are labelled ``unknown``)."""
+        self.models = set(models)
+
+    def forget_engine(self, engine: Engine) -> None:
+        """``engine`` left the pool: its ``engine``-labelled series and tallies go
+        (scraped gauges follow the pool by themselves)."""
+        for hist in (self.duration, self.ttft, self.tpot, self.ttft_error):
+            # the model label is the model asked for (a fallback model's engine
+            # serves another one), so find every series of the engine
+            series = {s.labels["model"] for family in hist.collect() for s in family.samples
+                      if s.labels.get("engine") == engine.id}
+            for model in series:
+                hist.remove(model, engine.id)
+        self._prefix.pop(engine.id, None)
+        self.output_tokens.pop(engine.id, None)
+
 
 class FleetCollector(Collector):
     """Engine and queue gauges, read from live objects at scrape time.

@@ -144,12 +144,16 @@ class Placer:
         #: per model, each band's expected occupancy (room kept for urgent bands)
         self.demand: dict[str, BandDemand] = {}
         for e in pool.engines:
-            if self.adaptive.enabled:
-                e.latency = EngineLatency(
-                    LatencyModel(forgetting=self.adaptive.forgetting,
-                                 min_samples=self.adaptive.min_samples,
-                                 max_rel_error=self.adaptive.max_rel_error),
-                    clock, z=self.adaptive.confidence_z, gradient=self._gradient(e))
+            self.track(e)
+
+    def track(self, engine: Engine) -> None:
+        """Give an engine of the pool its latency ledger (with adaptive admission)."""
+        if self.adaptive.enabled:
+            engine.latency = EngineLatency(
+                LatencyModel(forgetting=self.adaptive.forgetting,
+                             min_samples=self.adaptive.min_samples,
+                             max_rel_error=self.adaptive.max_rel_error),
+                self.clock, z=self.adaptive.confidence_z, gradient=self._gradient(engine))
 
     def _gradient(self, engine: Engine) -> GradientLimiter | None:
         """The fallback limiter of an engine whose dialect reports no KV-cache usage
@@ -161,6 +165,12 @@ class Placer:
         if kind is None or "kv_usage" in kind.signals:
             return None
         return GradientLimiter(initial=self.detector.unmetered_max_in_flight)
+
+    def forget(self, engine: Engine) -> None:
+        """An engine left the pool: drop its prefill-speed estimate (its latency
+        ledger leaves with it)."""
+        if self.disagg is not None:
+            self.disagg.speed.forget(engine.id)
 
     def candidates(self, model: str, priority: Priority, tokens: int,
                    exclude: frozenset[str] = frozenset(), *,

@@ -20,7 +20,7 @@ from typing import Any
 from prometheus_client import Counter, Histogram
 
 from config.schema import PRIORITIES
-from engines.pool import EnginePool
+from engines.pool import Engine, EnginePool
 from gateway.metrics import GatewayMetrics, concurrency_limit
 from gateway.reload import ReloadEvent
 from limits.admission import AdmissionQueue
@@ -77,7 +77,7 @@ class StatsFeed:
         pool: the engine pool.
         queues: the admission queues, ``{model: AdmissionQueue}``.
         reloads: the recent :class:`~gateway.reload.ReloadEvent` s, a live collection
-            (the reloader's ``history``; empty when no tenants file is watched).
+            (the reloader's ``history``; empty when no file is watched).
         tpot_target_s: the tightest SLO TPOT target, s (the engines' reported limits).
     """
 
@@ -103,6 +103,11 @@ class StatsFeed:
         #: per engine id, (output tokens per engine-hour, cost per 1k output tokens) at
         #: the last reading, so a snapshot agrees with the page between readings
         self._rates: dict[str, tuple[float | None, float | None]] = {}
+
+    def forget_engine(self, engine: Engine) -> None:
+        """``engine`` left the pool: its series leave the feed."""
+        self.engine_series.pop(engine.id, None)
+        self._rates.pop(engine.id, None)
 
     def _totals(self) -> tuple[float, float]:
         admitted = sum(v for lab, v in _counter_values(self.metrics.requests)

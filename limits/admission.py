@@ -218,14 +218,15 @@ class AdmissionQueue(Generic[P]):
         rounded up, at least 1, at most ``max_retry_after_s``."""
         return max(1, math.ceil(min(self.predicted_wait_s(), self._max_retry_after_s)))
 
-    def close(self) -> None:
-        """Reject every waiting ticket (``OVERLOADED``, reason ``shutdown``) and stop
-        the retry timer."""
+    def close(self, error: Callable[[], Rejected] | None = None) -> None:
+        """Reject every waiting ticket with a fresh ``error()`` (default
+        ``OVERLOADED``, reason ``shutdown``) and stop the retry timer."""
         for band in self._arrivals:
             for waiter in list(band):
                 self._discard(waiter)
-                self._fail(waiter, Rejected(Outcome.OVERLOADED, "the gateway is shutting down",
-                                            retry_after_s=1.0, reason="shutdown"))
+                self._fail(waiter, error() if error else Rejected(
+                    Outcome.OVERLOADED, "the gateway is shutting down", retry_after_s=1.0,
+                    reason="shutdown"))
         for handle in (self._kick, self._timer):
             if handle is not None:
                 handle.cancel()

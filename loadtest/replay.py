@@ -13,8 +13,10 @@ Routing benchmark: ``--engines N --policy P`` replaces ``--target``: a gateway
 (``sluice serve``) is started with ``N`` simulated engines and scheduler policy
 ``P`` (:data:`POLICIES`; ``default`` is the ``scheduler:`` section of the shipped
 ``config/engines.yaml``), the workload is replayed through it, and the report adds
-``ideal_hit_rate`` (unlimited cache, the replayed part of a Mooncake trace) and the
-flat keys ``ttft_p50_ms``, ``ttft_p90_ms``, ``ttft_p99_ms``.
+``ideal_hit_rate`` (unlimited cache, the replayed part of a Mooncake trace),
+``ttft_p90_bound_ms`` (no routing or scheduling can give a lower p90 TTFT on those
+engines: :mod:`loadtest.ttft_bound`; None with ``--pd``) and the flat keys
+``ttft_p50_ms``, ``ttft_p90_ms``, ``ttft_p99_ms``.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from engines.metrics import parse_metrics
 from engines.pool import MetricsSnapshot
 from loadtest.launch import gateway
 from loadtest.report import EngineSample, EngineStats, Result, Slo, format_summary, plot, summarize
+from loadtest.sim_engine.profiles import Profile, get_profile
+from loadtest.ttft_bound import percentile_bound_s, prefill_seconds
 from loadtest.workloads import WORKLOADS, RequestSpec, WorkloadOptions, build_workload
-from loadtest.workloads.mooncake import ideal_hit_rate, read_trace, trace_path
+from loadtest.workloads.mooncake import ideal_hit_rate, ideal_hits, read_trace, trace_path
 
 _REPO = Path(__file__).resolve().parents[1]
 
@@ -108,9 +112,9 @@ def write_sim_config(folder: Path, engines: int, policy: str, model: str, sim_ar
     return folder
 
 
-def replayed_ideal_hit_rate(workload: str, opts: WorkloadOptions) -> float | None:
-    """:func:`~loadtest.workloads.mooncake.ideal_hit_rate` of the Mooncake records the
-    replay sends (same time scale, duration and limit as the builder); None for
+def replayed_records(workload: str, opts: WorkloadOptions) -> list[dict] | None:
+    """The Mooncake records the replay sends (same time scale, duration and limit as
+    the builder, prompts capped at ``max_input_tokens``), in arrival order; None for
     other workloads."""
     if workload == "mooncake-conversation":
         path = trace_path()
@@ -125,7 +129,28 @@ def replayed_ideal_hit_rate(workload: str, opts: WorkloadOptions) -> float | Non
     if opts.max_input_tokens:
         records = [{**r, "input_length": min(r["input_length"], opts.max_input_tokens)}
                    for r in records]
-    return ideal_hit_rate(records)
+    return records
+
+
+def replayed_ideal_hit_rate(workload: str, opts: WorkloadOptions) -> float | None:
+    """:func:`~loadtest.workloads.mooncake.ideal_hit_rate` of :func:`replayed_records`;
+    None for other workloads."""
+    records = replayed_records(workload, opts)
+    return None if records is None else ideal_hit_rate(records)
+
+
+def replayed_ttft_p90_bound_ms(workload: str, opts: WorkloadOptions, profile: Profile,
+                               engines: int, speed: float) -> float | None:
+    """:func:`~loadtest.ttft_bound.percentile_bound_s` (p90, ms) of
+    :func:`replayed_records` on ``engines`` engines of ``profile`` running at ``speed``
+    simulated seconds per second; None for other workloads."""
+    records = replayed_records(workload, opts)
+    if not records:
+        return None
+    jobs = [(r["timestamp"] / 1000.0 * opts.time_scale,
+             prefill_seconds(profile, max(1, r["input_length"] - hit)) / speed)
+            for r, hit in zip(records, ideal_hits(records), strict=True)]
+    return 1000 * percentile_bound_s(jobs, engines, 90.0)
 
 
 class Replayer:
@@ -436,8 +461,6 @@ def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
     ``args.policy``, replay through it, and summarise with the routing keys."""
     import tempfile
 
-    from loadtest.sim_engine.profiles import get_profile
-
     speed = args.sim_speed or 1.0 / args.time_scale
     sim_args = ["--profile", args.sim_profile, "--num-blocks", str(args.sim_num_blocks),
                 "--speed", f"{speed:g}", "--enable-prompt-tokens-details"]
@@ -467,6 +490,8 @@ def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
         "pd": None if args.pd is None else f"{args.pd[0]}:{args.pd[1]}",
         "pd_policy": None if args.pd is None else args.pd_policy,
         "ideal_hit_rate": replayed_ideal_hit_rate(args.workload, opts),
+        "ttft_p90_bound_ms": None if args.pd is not None else replayed_ttft_p90_bound_ms(
+            args.workload, opts, get_profile(args.sim_profile), args.engines, speed),
         "ttft_p50_ms": ttft["p50"], "ttft_p90_ms": ttft["p90"], "ttft_p99_ms": ttft["p99"],
         "tpot_p50_ms": tpot["p50"], "tpot_p90_ms": tpot["p90"], "tpot_p99_ms": tpot["p99"],
         "setup": {"sim_args": sim_args, "prefix_source": args.prefix_source,

@@ -71,14 +71,13 @@ def mooncake(opts: WorkloadOptions, path: Path | None = None) -> Workload:
                     f"Mooncake conversation trace ({path or trace_path()})")
 
 
-def ideal_hit_rate(records: Iterable[dict[str, Any]], block_tokens: int = BLOCK_TOKENS,
-                   ) -> float:
-    """Token prefix-cache hit rate with an unlimited cache: each request hits the
-    leading run of its blocks already seen in earlier requests (at most its
-    ``input_length``), over all input tokens. 0.374 for the full trace
-    (shared/data/MANIFEST.md)."""
+def ideal_hits(records: Iterable[dict[str, Any]], block_tokens: int = BLOCK_TOKENS,
+               ) -> list[int]:
+    """Prompt tokens each record finds in an unlimited prefix cache: the leading run of
+    its blocks already seen in earlier records, in tokens (at most its
+    ``input_length``), in the records' order."""
     seen: set[int] = set()
-    hits = total = 0
+    hits = []
     for r in records:
         ids = r["hash_ids"]
         matched = 0
@@ -86,7 +85,15 @@ def ideal_hit_rate(records: Iterable[dict[str, Any]], block_tokens: int = BLOCK_
             if h not in seen:
                 break
             matched += 1
-        hits += min(matched * block_tokens, r["input_length"])
-        total += r["input_length"]
+        hits.append(min(matched * block_tokens, r["input_length"]))
         seen.update(ids)
-    return hits / total if total else 0.0
+    return hits
+
+
+def ideal_hit_rate(records: Iterable[dict[str, Any]], block_tokens: int = BLOCK_TOKENS,
+                   ) -> float:
+    """Token prefix-cache hit rate with an unlimited cache (:func:`ideal_hits` over all
+    input tokens). 0.374 for the full trace (shared/data/MANIFEST.md)."""
+    records = list(records)
+    total = sum(r["input_length"] for r in records)
+    return sum(ideal_hits(records, block_tokens)) / total if total else 0.0

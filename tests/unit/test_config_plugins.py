@@ -33,8 +33,8 @@ def test_a_misspelt_scorer_type_names_file_field_and_valid_types(tmp_path: Path)
     done = check_config(path)
     assert done.returncode == 1, done.stdout
     assert f"{path}: scheduler.scorers.1.type = 'prefix-afinity': " in done.stderr
-    assert "valid types: kv-cache-usage, least-in-flight, predicted-ttft, prefix-affinity, " \
-        "queue-depth, session-affinity" in done.stderr
+    assert "valid types: kv-cache-usage, least-in-flight, predicted-ttft, prefill-backlog, " \
+        "prefix-affinity, queue-depth, session-affinity" in done.stderr
     assert "ok" not in done.stdout
 
 

@@ -92,7 +92,8 @@ def test_unknown_type_is_a_config_error_at_type_listing_the_valid_ones() -> None
     got = {".".join(map(str, e["loc"])): e["msg"] for e in err.value.errors()}
     assert set(got) == {"scorers.1.type", "filters.0.type", "picker.type"}
     assert "unknown scorer type 'nope'; valid types: kv-cache-usage, least-in-flight, " \
-        "predicted-ttft, prefix-affinity, queue-depth, session-affinity" in got["scorers.1.type"]
+        "predicted-ttft, prefill-backlog, prefix-affinity, queue-depth, session-affinity" \
+        in got["scorers.1.type"]
     assert "unknown filter type 'kv-x'; valid types: kv-watermark, load-guard" in got["filters.0.type"]
     assert "unknown picker type 'first'" in got["picker.type"]
 

@@ -225,3 +225,30 @@ def test_whole_file_checks_name_the_problem_not_the_file(tmp_path):
     e2.write_text("engines: []\n")
     with pytest.raises(ConfigError, match="at least one engine"):
         load_file("engines", e2)
+
+
+def test_engines_reload_keeps_the_sections_that_need_a_restart() -> None:
+    """``reloadable_engines``: the fleet, models, scheduler plugins and saturation
+    come from the new file; the restart-only sections stay and are named."""
+    from config.schema import EnginesConfig
+    from gateway.reload import RESTART_SECTIONS, reloadable_engines
+
+    running = EnginesConfig.model_validate({"engines": [{"name": "a", "model": "m", "kind": "sim"}]})
+    new = EnginesConfig.model_validate({
+        "engines": [{"name": "b", "model": "n", "kind": "sim"}],
+        "models": [{"name": "n", "degradation": {"max_tokens_cap": 8}}],
+        "scheduler": {"scorers": [{"type": "queue-depth"}],
+                      "prefix": {"source": "events"}, "sessions": {"ttl_s": 5}},
+        "supervisor": {"probe_interval_s": 9}, "disaggregation": {"policy": "threshold"},
+        "saturation": {"max_waiting": 1, "adaptive": {"enabled": False}}})
+    applied, pending = reloadable_engines(running, new)
+    assert pending == list(RESTART_SECTIONS)
+    assert [s.name for s in applied.engines] == ["b"] and applied.models == new.models
+    assert applied.scheduler.scorers == new.scheduler.scorers
+    assert applied.saturation.max_waiting == 1
+    assert applied.scheduler.prefix == running.scheduler.prefix
+    assert applied.scheduler.sessions == running.scheduler.sessions
+    assert applied.supervisor == running.supervisor
+    assert applied.disaggregation == running.disaggregation
+    assert applied.saturation.adaptive == running.saturation.adaptive
+    assert reloadable_engines(running, running) == (running, [])

@@ -1,5 +1,5 @@
 """Routing plugins (kv-watermark, load-guard, prefix-affinity, kv-cache-usage,
-queue-depth, session-affinity, round-robin) and the scheduler's use of its prefix
+queue-depth, session-affinity, prefill-backlog, round-robin) and the scheduler's use of its prefix
 index and session table; the shipped engines.yaml policy."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from engines.plugins import (
     KvCacheUsage,
     KvWatermark,
     LoadGuard,
+    PrefillBacklog,
     PrefixAffinity,
     QueueDepth,
     RoundRobin,
@@ -26,6 +27,9 @@ from engines.plugins import (
 )
 from engines.pool import Engine, EngineState, MetricsSnapshot
 from engines.scheduler import SchedRequest, Scheduler
+from limits.engine_latency import EngineLatency
+from limits.latency_model import LatencyModel
+from tests.support import ManualClock
 
 REQ = SchedRequest(model="m", tenant="t", prompt_tokens=10)
 
@@ -40,10 +44,11 @@ def eng(id_: str, in_flight: int = 0, usage: float | None = 0.1, running: int = 
 
 def test_registry_names() -> None:
     assert {"kv-watermark", "load-guard"} <= set(FILTERS)
-    assert {"prefix-affinity", "kv-cache-usage", "queue-depth", "session-affinity"} <= set(SCORERS)
+    assert {"prefix-affinity", "kv-cache-usage", "queue-depth", "session-affinity",
+            "prefill-backlog"} <= set(SCORERS)
     assert {"max-score", "round-robin"} <= set(PICKERS)
     for cls in (KvWatermark, LoadGuard, PrefixAffinity, KvCacheUsage, QueueDepth,
-                SessionAffinity):
+                SessionAffinity, PrefillBacklog):
         assert "Source" in (cls.__doc__ or ""), cls
 
 
@@ -80,6 +85,58 @@ def test_kv_cache_usage_and_queue_depth_scores() -> None:
     es = [eng("a", 0), eng("b", 5), eng("c", running=8, waiting=2)]
     assert QueueDepth().score(REQ, es, 0) == [1.0, 0.5, 0.0]
     assert QueueDepth().score(REQ, [eng("a"), eng("b")], 0) == [1.0, 1.0]
+
+
+def ledger_eng(id_: str, clock: ManualClock, in_flight: int = 0) -> Engine:
+    """An engine with the gateway's request ledger (adaptive admission on)."""
+    e = eng(id_, in_flight=in_flight)
+    e.latency = EngineLatency(LatencyModel(), clock)
+    return e
+
+
+def test_prefill_backlog_scores_queued_plus_own_uncached_tokens() -> None:
+    clock = ManualClock()
+    a, b, c = (ledger_eng(x, clock) for x in "abc")
+    flight = b.latency.sent(8000, 8000, 0.1)  # b: 8,000 uncached tokens not prefilled yet
+    c.latency.sent(1000, 1000, 0.1)
+    # 4,000 tokens in 4 blocks of 1,000; c holds the first 3 in its prefix cache
+    req = SchedRequest(model="m", tenant="t", prompt_tokens=4000, blocks=(1, 2, 3, 4),
+                       block_size=1000, prefix_matches={"c": 3})
+    # cost: a 0 + 4000, b 8000 + 4000, c 1000 + 1000 tokens
+    assert PrefillBacklog().score(req, [a, b, c], 0) == [0.5, 2000 / 12000, 1.0]
+    b.latency.first_token(flight)  # b's queued prompt is prefilled: it now costs 4,000
+    assert PrefillBacklog().score(req, [a, b, c], 0) == [0.5, 0.5, 1.0]
+    b.latency.finished(flight, completion_tokens=10)
+    assert PrefillBacklog().score(req, [b], 0) == [1.0]
+
+
+def test_prefill_backlog_without_a_ledger_or_prompt() -> None:
+    req = SchedRequest(model="m", tenant="t", prompt_tokens=0)
+    assert PrefillBacklog().score(req, [eng("a"), eng("b")], 0) == [1.0, 1.0]
+    req = SchedRequest(model="m", tenant="t", prompt_tokens=64, blocks=(1, 2), block_size=32,
+                       prefix_matches={"b": 9})  # a match is capped at the prompt's blocks
+    assert PrefillBacklog().score(req, [eng("a"), eng("b")], 0) == [1 / 64, 1.0]
+
+
+def test_shipped_policy_avoids_a_long_prefill_queue_and_keeps_a_long_prefix() -> None:
+    path = Path(__file__).resolve().parents[2] / "config" / "engines.yaml"
+    sched = EnginesConfig.model_validate(yaml.safe_load(path.read_text())).scheduler
+    s = Scheduler(sched, random.Random(0))
+    clock = ManualClock()
+    # a runs one request with a 60k-token prompt still in prefill; b decodes three
+    a, b = ledger_eng("a", clock, in_flight=1), ledger_eng("b", clock, in_flight=3)
+    a.latency.sent(60_000, 60_000, 0.1)
+    fresh = SchedRequest(model="m", tenant="t", prompt_tokens=2000, blocks=(7,), block_size=1000)
+    assert s.pick(fresh, [a, b], 0).engine is b  # queue-depth alone would choose a
+    # a follow-up turn whose 20k-token prefix a holds goes there although a must
+    # still prefill 5k tokens: 5k + 2k to compute there, 22k on b
+    a.latency.finished(next(iter(a.latency.flights)), ok=False)
+    a.latency.sent(5000, 5000, 0.1)
+    turn = SchedRequest(model="m", tenant="t", prompt_tokens=22_000,
+                        blocks=tuple(range(100, 122)), block_size=1000)
+    s.record(turn, a, 0)
+    d = s.pick(turn, [a, b], 1)
+    assert d.engine is a and d.scores["prefill-backlog"] == 1.0
 
 
 def test_session_affinity_and_round_robin() -> None:
@@ -152,6 +209,6 @@ def test_shipped_policy_builds_and_documents_weights() -> None:
     Scheduler(sched)
     types = {s.type for s in sched.scorers} | {f.type for f in sched.filters}
     assert {"prefix-affinity", "queue-depth", "kv-cache-usage", "session-affinity",
-            "kv-watermark", "load-guard"} <= types
+            "prefill-backlog", "kv-watermark", "load-guard"} <= types
     assert "weight" in path.read_text() and "#" in path.read_text()
     assert build_filter(FilterConfig(type="load-guard", params={"abs_threshold": 1}))
