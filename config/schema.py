@@ -269,7 +269,7 @@ class EngineSpec(_Strict):
 
     ``dialect``: how the engine reports load and health (:mod:`engines.kinds`):
     ``vllm``, ``llamacpp``, ``sglang``, ``tgi``, ``trtllm`` or ``openai`` (no load
-    metrics: admitted by in-flight count). None: the kind's own (``vllm`` for
+    metrics: admitted by the gateway's own accounting). None: the kind's own (``vllm`` for
     ``vllm``, ``sim`` and ``external``; ``llamacpp`` for ``llamacpp``). A ``sim``
     engine speaks its dialect (``--dialect``).
 
@@ -524,7 +524,10 @@ class SaturationConfig(_Strict):
     headroom for online traffic), more than ``max_waiting`` requests waiting inside
     the engine, ``max_in_flight`` requests of this gateway already running on it, or
     metrics older than ``supervisor.metrics_stale_s``. An engine that reports no
-    KV-cache usage is saturated at ``unmetered_max_in_flight`` requests in flight."""
+    KV-cache usage is admitted by the gateway's own accounting: with ``adaptive``
+    enabled by the concurrency limit it learns from its latency observations,
+    starting at ``unmetered_max_in_flight``; with it disabled, by that fixed number.
+    Either way never more than the engine's slots where it reports them (llama.cpp)."""
 
     kv_watermark: float = Field(0.9, gt=0, le=1, description="KV usage fraction 0-1")
     batch_kv_watermark: float = Field(0.8, gt=0, le=1, description="KV usage fraction 0-1")
@@ -535,9 +538,9 @@ class SaturationConfig(_Strict):
     interactive_reserve: int = Field(
         0, ge=0, description="slots of max_in_flight only interactive requests may take")
     unmetered_max_in_flight: int = Field(
-        4, ge=1, description="requests this gateway keeps in flight on an engine that "
-        "reports no KV-cache usage (llama.cpp, TGI, a server without /metrics): its "
-        "admission is the gateway's own in-flight count; llama.cpp's slot count")
+        4, ge=1, description="requests in flight on an engine that reports no KV-cache "
+        "usage (llama.cpp, TGI, a server without /metrics): the learned limit's starting "
+        "point with adaptive admission, the fixed cap without it")
     adaptive: AdaptiveConfig = AdaptiveConfig()
 
     @model_validator(mode="after")

@@ -160,9 +160,13 @@ class MetricsPoller:
 
     The endpoint and its parser are the engine's dialect's (``kind``, default vLLM's).
     An endpoint that answers 404, or a page holding none of the known signals, marks
-    the engine unmetered (``Engine.metered``: admitted by in-flight count); a dialect
+    the engine unmetered (``Engine.metered``: admitted by the gateway's own accounting,
+    ``limits.saturation``); a dialect
     without an endpoint is unmetered from the start and never scraped. Whenever the
     signals read differ from the dialect's full set, one log line names the missing ones.
+    A dialect with a slot-count endpoint (``kind.slots_path``: llama.cpp's ``/props``)
+    has it read once per engine generation (a restart may change it) into
+    ``Engine.slots``.
 
     Args:
         pool: where snapshots are stored (:meth:`EnginePool.set_metrics`).
@@ -190,6 +194,7 @@ class MetricsPoller:
 
         self.kind = kind or KINDS["vllm"]
         self._reported: frozenset[str] | None = None  # signals last logged
+        self._slots_generation: int | None = None  # engine generation slots were read for
         self.pool = pool
         self.engine = engine
         self.session = session
@@ -209,12 +214,41 @@ class MetricsPoller:
             log.log(logging.WARNING if expected else logging.INFO,
                     "engine %s (%s): no %s signal(s)%s", self.engine.id, self.kind.name,
                     ", ".join(missing),
-                    "" if "kv_usage" in found else "; admitted by the gateway's in-flight count")
+                    "" if "kv_usage" in found else "; admitted by the gateway's own "
+                    "in-flight accounting and latency observations")
         else:
             log.info("engine %s (%s): all load signals read", self.engine.id, self.kind.name)
 
+    async def read_slots(self) -> int | None:
+        """Read the engine's slot count into ``Engine.slots`` unless already read for
+        its current generation; returns it (None: no endpoint, or the read failed and
+        is retried on the next scrape)."""
+        engine, kind = self.engine, self.kind
+        if kind.slots_path is None or kind.parse_slots is None:
+            return None
+        if self._slots_generation == engine.generation:
+            return engine.slots
+        url = f"{engine.base_url}{kind.slots_path}"
+        try:
+            async with self.session.get(url, timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    log.debug("slots %s: HTTP %d", url, resp.status)
+                    return None
+                slots = kind.parse_slots(await resp.json(content_type=None))
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+            log.debug("slots %s: %r", url, e)
+            return None
+        self._slots_generation = engine.generation
+        if slots != engine.slots:
+            log.info("engine %s (%s): %s slots", engine.id, kind.name, slots)
+            engine.slots = slots
+            self.pool.notify()
+        return slots
+
     async def scrape_once(self) -> MetricsSnapshot | None:
-        """One scrape; stores and returns the snapshot, or None if it failed."""
+        """One scrape (and the slot count, when due); stores and returns the snapshot,
+        or None if it failed."""
+        await self.read_slots()
         if self.kind.metrics_path is None or self.kind.parse is None:
             self._signals(frozenset())
             return None

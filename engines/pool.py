@@ -90,6 +90,8 @@ class Engine:
         cost_per_hour: the spec's price per replica-hour, or None.
         latency: its learned latency model and request ledger (the adaptive
             admission), or None while adaptive admission is off.
+        slots: the most requests the engine runs at once, where it reports a fixed
+            slot count (llama.cpp's ``/props`` ``total_slots``); None when unknown.
         kv_events: where the engine publishes KV-cache events, if it does.
     """
 
@@ -109,6 +111,7 @@ class Engine:
     cost_per_hour: float | None = None
     latency: EngineLatency | None = None
     kv_events: EventsEndpoint | None = None
+    slots: int | None = None
 
     @property
     def routable(self) -> bool:

@@ -50,6 +50,15 @@ def rejection_reason(rec: RequestRecord) -> str:
     return outcome if rec.reason in (None, outcome) else f"{outcome}:{rec.reason}"
 
 
+def concurrency_limit(engine: Engine, tpot_target_s: float) -> int | None:
+    """The requests in flight ``engine`` may take now: its learned limit
+    (:meth:`limits.engine_latency.EngineLatency.limit` for the ``tpot_target_s`` target,
+    s), at most its slots where it reports them; None while adaptive admission is off."""
+    if engine.latency is None:
+        return None
+    learned = engine.latency.limit(tpot_target_s)
+    return min(learned, engine.slots) if engine.slots else learned
+
 class GatewayMetrics:
     """All of the gateway's series, in a private registry (one per app).
 
@@ -197,7 +206,8 @@ class FleetCollector(Collector):
     def _adaptive(self) -> Iterator[Any]:
         limit = GaugeMetricFamily(
             "sluice_engine_concurrency_limit", "Learned requests in flight per engine that "
-            "keep the tightest TPOT target (the knee).", labels=["engine", "model"])
+            "keep the tightest TPOT target (the knee), at most the engine's slots where "
+            "it reports them.", labels=["engine", "model"])
         mode = GaugeMetricFamily(
             "sluice_engine_admission_mode", "1 for the active admission controller: model "
             "(fitted latency model) or gradient (fallback limiter).",
@@ -208,7 +218,7 @@ class FleetCollector(Collector):
         for e in self.pool.engines:
             if e.latency is None:
                 continue
-            limit.add_metric([e.id, e.model], e.latency.limit(self.tpot_target_s))
+            limit.add_metric([e.id, e.model], concurrency_limit(e, self.tpot_target_s))
             mode.add_metric([e.id, e.model, e.latency.mode], 1.0)
             for name, value in e.latency.model.params().items():
                 params.add_metric([e.id, e.model, name], float(value))

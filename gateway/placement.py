@@ -13,7 +13,9 @@ iterate over :meth:`Placer.prefill_attempts`. Whole requests and decode legs go 
 to engines of role ``decode`` or ``both``.
 
 With adaptive admission (``saturation.adaptive``), an engine with room must also be
-predicted to serve the request within its band's SLO (:mod:`limits.engine_latency`),
+predicted to serve the request within its band's SLO (:mod:`limits.engine_latency`) —
+for an engine that reports no KV-cache usage this learned limit is the whole
+admission (``limits.saturation`` then caps it only at the engine's slots) —
 and each placement holds a :class:`~limits.engine_latency.Flight` in the engine's
 latency ledger, which the caller feeds (first token, usage, end) and the release
 closes.
@@ -27,11 +29,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from config.schema import PRIORITIES, AdaptiveConfig, Priority, SloConfig
+from engines.kinds import KINDS
 from engines.plugins import engine_load
 from engines.pool import Engine, EngineLease, EnginePool
 from engines.scheduler import SchedRequest, Scheduler
 from gateway.disagg import Disaggregator, role, serves_whole
 from limits.engine_latency import BandDemand, EngineLatency, Flight
+from limits.gradient import GradientLimiter
 from limits.interfaces import Clock
 from limits.latency_model import LatencyModel
 from limits.outcome import Outcome, Rejected
@@ -149,7 +153,18 @@ class Placer:
                 LatencyModel(forgetting=self.adaptive.forgetting,
                              min_samples=self.adaptive.min_samples,
                              max_rel_error=self.adaptive.max_rel_error),
-                self.clock, z=self.adaptive.confidence_z)
+                self.clock, z=self.adaptive.confidence_z, gradient=self._gradient(engine))
+
+    def _gradient(self, engine: Engine) -> GradientLimiter | None:
+        """The fallback limiter of an engine whose dialect reports no KV-cache usage
+        (llama.cpp, TGI, a bare OpenAI server): its learned limit is all that admits
+        it, so it starts at ``saturation.unmetered_max_in_flight``, the fixed cap it
+        would have without adaptive admission. None (the default limiter) for
+        others."""
+        kind = KINDS.get(engine.labels.get("dialect", "vllm"))
+        if kind is None or "kv_usage" in kind.signals:
+            return None
+        return GradientLimiter(initial=self.detector.unmetered_max_in_flight)
 
     def forget(self, engine: Engine) -> None:
         """An engine left the pool: drop its prefill-speed estimate (its latency

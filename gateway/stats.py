@@ -21,7 +21,7 @@ from prometheus_client import Counter, Histogram
 
 from config.schema import PRIORITIES
 from engines.pool import Engine, EnginePool
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, concurrency_limit
 from gateway.reload import ReloadEvent
 from limits.admission import AdmissionQueue
 
@@ -136,8 +136,7 @@ class StatsFeed:
             series = self.engine_series.setdefault(e.id, {
                 "limit": deque([None] * (len(self.t) - 1), maxlen=self._samples),
                 "in_flight": deque([None] * (len(self.t) - 1), maxlen=self._samples)})
-            series["limit"].append(
-                e.latency.limit(self.tpot_target_s) if e.latency is not None else None)
+            series["limit"].append(concurrency_limit(e, self.tpot_target_s))
             series["in_flight"].append(e.in_flight)
 
     async def run(self) -> None:
@@ -187,7 +186,7 @@ class StatsFeed:
             "running": e.metrics.num_running if e.metrics else 0,
             "waiting": e.metrics.num_waiting if e.metrics else 0,
             "in_flight": e.in_flight, "restarts": e.restarts,
-            "limit": e.latency.limit(self.tpot_target_s) if e.latency is not None else None,
+            "limit": concurrency_limit(e, self.tpot_target_s),
             "mode": e.latency.mode if e.latency is not None else None,
             "output_tokens_per_hour": self._rates.get(e.id, (None, None))[0],
             "cost_per_1k_output_tokens": self._rates.get(e.id, (None, None))[1],

@@ -105,7 +105,10 @@ class EngineLoad(Protocol):
         in_flight: requests this gateway process has sent to the engine and not finished.
         metrics_at: clock time of the metrics scrape, s; None before the first one.
         metered: the engine has a load-metrics endpoint that answers; False for one
-            without (then freshness is not required: the in-flight count decides).
+            without (then freshness is not required: the gateway's own accounting
+            decides).
+        slots: the most requests the engine runs at once (a fixed slot count, e.g.
+            llama.cpp's ``--parallel``); None when unknown.
     """
 
     @property
@@ -131,3 +134,6 @@ class EngineLoad(Protocol):
 
     @property
     def metered(self) -> bool: ...
+
+    @property
+    def slots(self) -> int | None: ...

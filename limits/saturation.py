@@ -9,10 +9,14 @@ priority when all hold:
    the engine is unmetered (no load-metrics endpoint: ``EngineLoad.metered`` false);
 2. its KV-cache usage is under the watermark: ``watermark`` for interactive and
    standard, ``batch_watermark`` for batch. An engine that reports no usage (llama.cpp,
-   TGI, an unmetered server) is judged by the gateway's own accounting instead: fewer
-   than ``unmetered_max_in_flight`` of this gateway's requests in flight on it (the
-   concurrency limit of a closed-loop admission controller, sized like llama.cpp's
-   ``--parallel`` slots), so a missing metric never starves it;
+   TGI, an unmetered server) is judged by the gateway's own accounting instead, so a
+   missing metric never starves it: with adaptive admission (``learned``) by the
+   concurrency limit the gateway learns from its own latency observations of that
+   engine (TTFT, TPOT, usage; :mod:`limits.engine_latency`, applied by
+   ``gateway.placement``; its fallback limiter starts at ``unmetered_max_in_flight``),
+   so nothing here caps it; without adaptive admission by a fixed cap of
+   ``unmetered_max_in_flight`` requests in flight (the concurrency limit of a
+   closed-loop admission controller);
 3. at most ``max_waiting`` requests wait inside the engine (a growing engine queue
    means its scheduler has no room; the gateway's queue orders them better);
 4. when ``max_in_flight`` is set, fewer than that many of this gateway's requests
@@ -23,7 +27,11 @@ priority when all hold:
    requests stop ``interactive_reserve`` slots earlier, so a burst of interactive
    requests finds a slot at once instead of waiting for one to free (the KV
    headroom below, applied to batch slots);
-5. when block size and count are known, the request's blocks
+5. when the engine reports a fixed slot count (``EngineLoad.slots``: llama.cpp's
+   ``--parallel``), fewer than that many of this gateway's requests run on it — more
+   would only wait inside the engine, unordered, where the gateway's queue orders
+   them by priority and tenant share;
+6. when block size and count are known, the request's blocks
    ``ceil(tokens / block_size)`` fit ``num_blocks × (ceiling − usage) −
    promised_blocks``, where the ceiling is 1.0, or ``batch_watermark`` for batch.
 
@@ -64,13 +72,17 @@ class SaturationDetector:
         interactive_reserve: slots of ``max_in_flight`` that only interactive requests
             may take (default 0).
         unmetered_max_in_flight: most requests in flight on an engine that reports no
-            KV-cache usage (default 4).
+            KV-cache usage when ``learned`` is false; the learned limit's starting
+            point otherwise (default 4).
+        learned: adaptive admission governs each engine's concurrency (``saturation.
+            adaptive.enabled``): no fixed cap for an engine without KV usage
+            (default False).
     """
 
     def __init__(self, watermark: float = 0.9, batch_watermark: float = 0.8,
                  max_waiting: int = 4, stale_s: float = 5.0,
                  max_in_flight: int | None = None, interactive_reserve: int = 0,
-                 unmetered_max_in_flight: int = 4) -> None:
+                 unmetered_max_in_flight: int = 4, learned: bool = False) -> None:
         self.watermark = watermark
         self.batch_watermark = batch_watermark
         self.max_waiting = max_waiting
@@ -78,15 +90,16 @@ class SaturationDetector:
         self.max_in_flight = max_in_flight
         self.interactive_reserve = interactive_reserve
         self.unmetered_max_in_flight = unmetered_max_in_flight
+        self.learned = learned
 
     @classmethod
     def from_config(cls, engines: EnginesConfig) -> SaturationDetector:
-        """From ``engines.yaml``: the ``saturation`` section and
-        ``supervisor.metrics_stale_s``."""
+        """From ``engines.yaml``: the ``saturation`` section (``learned`` is
+        ``adaptive.enabled``) and ``supervisor.metrics_stale_s``."""
         s = engines.saturation
         return cls(s.kv_watermark, s.batch_kv_watermark, s.max_waiting,
                    engines.supervisor.metrics_stale_s, s.max_in_flight, s.interactive_reserve,
-                   s.unmetered_max_in_flight)
+                   s.unmetered_max_in_flight, s.adaptive.enabled)
 
     def admits(self, load: EngineLoad, priority: Priority, tokens: int, now: float) -> bool:
         """Whether ``load``'s engine may take a ``priority`` request of ``tokens``
@@ -97,8 +110,10 @@ class SaturationDetector:
             return False
         if fresh and load.num_waiting > self.max_waiting:
             return False
-        if usage is None or not fresh:  # no usage reported: our own in-flight count
-            cap = self.unmetered_max_in_flight
+        if load.slots is not None and load.in_flight >= load.slots:
+            return False
+        if usage is None or not fresh:  # no usage reported: our own accounting
+            cap = math.inf if self.learned else self.unmetered_max_in_flight
             if self.max_in_flight is not None:
                 cap = min(cap, self.max_in_flight)
             return load.in_flight < cap

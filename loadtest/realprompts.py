@@ -3,8 +3,12 @@ real engine.
 
 Sends the first N (default 100) Arena-Hard v0.1 prompts as streamed chat requests
 (max_tokens 64) at concurrency 1 and 8, straight to the engine and through the
-gateway, in the same run. At concurrency 1 the two paths alternate prompt by prompt
-so that drift in the machine's speed hits both alike. Prompts are cut to
+gateway, in the same run. Drift in the machine's speed (other jobs on a shared
+machine) must hit both paths alike: at concurrency 1 they alternate prompt by
+prompt; at concurrency 8 the prompts are split into ``--rounds`` (default 5) rounds,
+each run on both paths back to back, the path that goes first alternating round by
+round (ABBA), and ``throughput_ratio_c8`` is the median of the rounds' ratios (one
+round disturbed by a burst of other work does not decide it). Prompts are cut to
 ``--max-prompt-chars`` (default 4,000 ≈ 1,000 tokens) so they fit the engine's
 2,048-token context.
 
@@ -30,10 +34,13 @@ wait (``x-sluice-queue-ms``).
 
 JSON: ``{"engine_kind", "direct_headers", "limit", "direct"|"gateway": {"c1"|"c8":
 {ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, output_tok_s, requests_s, errors}},
-"throughput_ratio_c8": gateway/direct, "ttft_p50_added_ms_c1", "prediction":
+"throughput_ratio_c8": gateway/direct (median of the rounds), "throughput_ratio_c8_rounds":
+[per round], "gateway_limit_c8_rounds": [the gateway's concurrency limit for the engine
+after each round], "ttft_p50_added_ms_c1", "prediction":
 {ttft_rel_err_p50, ttft_rel_err_p90, samples}, "overload": {load, capacity_rps, rate,
 duration_s, slo, "direct"|"gateway": {goodput, slo_attainment: {interactive, standard,
-batch}, shed, offered}, interactive_ratio: gateway/direct}, "config": {changed}}``.
+batch}, shed, offered}, interactive_ratio: gateway/direct}, "load_avg": [1-min load
+average at start, end], "config": {changed}}`` (``c8`` figures pool all rounds).
 ``config.changed``: the settings that differ from the shipped configuration and why
 (the launched gateway gets three tenants with the three priorities, for the overload
 run). ``direct_headers``: with llama.cpp the direct
@@ -46,8 +53,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
+import statistics
 import time
 from collections import Counter
 from pathlib import Path
@@ -120,11 +129,23 @@ async def _run_concurrent(session: aiohttp.ClientSession, url: str, bodies: list
     return results, time.perf_counter() - start
 
 
+async def _gateway_limit(session: aiohttp.ClientSession, gateway: str) -> float | None:
+    """The gateway's ``sluice_engine_concurrency_limit`` (its only engine), or None."""
+    async with session.get(gateway + "/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith("sluice_engine_concurrency_limit{"):
+            return float(line.rpartition(" ")[2])
+    return None
+
+
 async def measure(engine: str, gateway: str, model: str, prompts: list[str],
                   max_tokens: int, direct_headers: dict[str, str] | None = None,
+                  rounds: int = 5, c1_limit: int | None = None,
                   ) -> tuple[dict[str, Any], list[Measured]]:
-    """Both paths at c1 then c8; ``direct_headers`` go with every direct request.
-    Returns the report and the gateway's results (for the prediction error)."""
+    """Both paths at c1 (the first ``c1_limit`` prompts, default all) then at c8 in
+    ``rounds`` ABBA rounds (module docstring); ``direct_headers`` go with every direct
+    request. Returns the report and the gateway's results (for the prediction error)."""
     paths = {"direct": engine + "/v1/chat/completions", "gateway": gateway + "/v1/chat/completions"}
     headers = {"direct": direct_headers, "gateway": None}
     bodies = [_body(model, p, max_tokens) for p in prompts]
@@ -135,7 +156,7 @@ async def measure(engine: str, gateway: str, model: str, prompts: list[str],
             await send_measured(session, url, _body(model, "Hello", 4), headers[name])
         c1: dict[str, list[Measured]] = {"direct": [], "gateway": []}
         spent = {"direct": 0.0, "gateway": 0.0}
-        for i, body in enumerate(bodies):
+        for i, body in enumerate(bodies[:c1_limit]):
             order = ["direct", "gateway"] if i % 2 == 0 else ["gateway", "direct"]
             for name in order:
                 t = time.perf_counter()
@@ -144,14 +165,29 @@ async def measure(engine: str, gateway: str, model: str, prompts: list[str],
         for name in paths:
             out[name]["c1"] = summarize(c1[name], spent[name])
         through_gateway += c1["gateway"]
+        c8: dict[str, list[Measured]] = {"direct": [], "gateway": []}
+        wall = {"direct": 0.0, "gateway": 0.0}
+        ratios, limits = [], []
+        for r in range(rounds):
+            chunk = bodies[r * len(bodies) // rounds:(r + 1) * len(bodies) // rounds]
+            rate = {}
+            for name in (["direct", "gateway"] if r % 2 == 0 else ["gateway", "direct"]):
+                results, took = await _run_concurrent(session, paths[name], chunk, 8,
+                                                       headers[name])
+                c8[name] += results
+                wall[name] += took
+                rate[name] = summarize(results, took)["output_tok_s"]
+                if name == "gateway":
+                    through_gateway += results
+                    limits.append(await _gateway_limit(session, gateway))
+            if rate["direct"]:
+                ratios.append(round(rate["gateway"] / rate["direct"], 4))
         for name in paths:
-            results, wall = await _run_concurrent(session, paths[name], bodies, 8, headers[name])
-            out[name]["c8"] = summarize(results, wall)
-            if name == "gateway":
-                through_gateway += results
+            out[name]["c8"] = summarize(c8[name], wall[name])
     d, g = out["direct"], out["gateway"]
-    out["throughput_ratio_c8"] = round(g["c8"]["output_tok_s"] / d["c8"]["output_tok_s"], 4) \
-        if d["c8"]["output_tok_s"] else None
+    out["throughput_ratio_c8"] = round(statistics.median(ratios), 4) if ratios else None
+    out["throughput_ratio_c8_rounds"] = ratios
+    out["gateway_limit_c8_rounds"] = limits
     if d["c1"]["ttft_p50_ms"] is not None and g["c1"]["ttft_p50_ms"] is not None:
         out["ttft_p50_added_ms_c1"] = round(g["c1"]["ttft_p50_ms"] - d["c1"]["ttft_p50_ms"], 2)
     return out, through_gateway
@@ -290,7 +326,7 @@ def _config_dir(directory: Path, engine_kind: str) -> Path:
 async def run(engine: str, gateway: str, prompts: list[str], args: argparse.Namespace,
               direct: dict[str, str] | None) -> dict[str, Any]:
     result, through = await measure(engine, gateway, args.model, prompts, args.max_tokens,
-                                    direct)
+                                    direct, args.rounds, args.c1_limit)
     if args.overload_s > 0:
         capacity = result["direct"]["c8"]["requests_s"]
         result["overload"], more = await overload(engine, gateway, args.model, prompts,
@@ -321,7 +357,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--drain-s", type=float, default=30.0,
                     help="s after the overload window before unfinished requests are cancelled")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="ABBA rounds of the concurrency-8 phase (default 5)")
+    ap.add_argument("--c1-limit", type=int,
+                    help="prompts of the concurrency-1 phase (default: all --limit)")
     args = ap.parse_args(argv)
+    load_start = os.getloadavg()[0]
     prompts = [p[: args.max_prompt_chars] for p in read_prompts("v0.1")[: args.limit]]
     # llama-server closes the connection after each stream though it announces keep-alive
     # (engines.kinds.llamacpp); the direct client closes it too, as the gateway does,
@@ -342,7 +383,8 @@ def main(argv: list[str]) -> int:
             (engine,) = gw.engine_urls()
             result = asyncio.run(run(engine, gw.url, prompts, args, direct))
     result = {"engine_kind": args.engine_kind, "direct_headers": direct, "limit": args.limit,
-              **result, "config": {"changed": changed}}
+              "rounds": args.rounds, "c1_limit": args.c1_limit, **result,
+              "load_avg": [load_start, os.getloadavg()[0]], "config": {"changed": changed}}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

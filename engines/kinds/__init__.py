@@ -11,16 +11,19 @@ Signals (``MetricsSnapshot.signals``): ``kv_usage`` (KV-cache usage fraction 0â€
 ``running``, ``waiting`` (requests), ``prefix_hits`` (prefix-cache hit and query
 counters, tokens), ``block_size``, ``num_blocks``. A dialect that lacks a signal, or a
 page that lacks one its dialect should have, degrades clearly: the engine is still
-admitted, by the gateway's own in-flight count (``saturation.unmetered_max_in_flight``),
-a log line names the missing signals once per change, and the gateway's
-``sluice_engine_signals{engine,signal}`` gauge shows 1/0 per signal.
+admitted, by the gateway's own in-flight accounting and latency observations (with
+adaptive admission the learned concurrency limit of :mod:`limits.engine_latency`,
+starting at ``saturation.unmetered_max_in_flight``; without it that fixed number;
+``limits.saturation``), capped at the engine's slots where it reports them
+(``slots_path``); a log line names the missing signals once per change, and the
+gateway's ``sluice_engine_signals{engine,signal}`` gauge shows 1/0 per signal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from engines.pool import MetricsSnapshot
 
@@ -41,8 +44,12 @@ class EngineKind:
     Attributes:
         name: the dialect name (``EngineSpec.dialect``).
         metrics_path: path of the load-metrics endpoint; None when the engine has none
-            (the engine is admitted by in-flight count only).
+            (the engine is admitted by the gateway's own accounting only).
         parse: reads that endpoint's body (:data:`Parser`); None with no endpoint.
+        slots_path: path of a JSON endpoint giving the most requests the engine runs at
+            once (a fixed slot count, as llama.cpp's ``--parallel``); None when the
+            engine has none.
+        parse_slots: that endpoint's decoded JSON â†’ the slot count (None when absent).
         signals: the signals this dialect reports when its endpoint is healthy.
         health_path: liveness/readiness path answering 200 once the model is loaded.
         probe_endpoint: ``completions`` or ``chat``: the endpoint of the 1-token
@@ -65,6 +72,8 @@ class EngineKind:
     accepts: frozenset[str] = frozenset({"stream_options"})
     close_after_stream: bool = False
     quirks: str = ""
+    slots_path: str | None = None
+    parse_slots: Callable[[Any], int | None] | None = None
 
 
 def present(**found: bool) -> frozenset[str]:

@@ -14,7 +14,11 @@ server (``tests/fixtures/llamacpp_0.3.36_metrics_busy.txt``, ``tests/e2e``):
   → prefix hits = cached, queries = evaluated + cached; ``llamacpp:tokens_predicted_total``
   → generated tokens. There is no KV-cache usage gauge and no block size or count
   (llama.cpp keeps a per-slot context of ``n_ctx / n_parallel`` tokens, no paged blocks),
-  so the engine is admitted by in-flight count, capped at its slots.
+  so the engine is admitted by the gateway's own accounting (``limits.saturation``: the
+  learned concurrency limit), capped at its slots.
+* ``GET /props`` (always served, without the task queue; ``get_res_props`` in
+  ``server-context.cpp``): ``total_slots`` = ``--parallel`` → ``Engine.slots``, the most
+  requests it runs at once (more wait inside it, ``requests_deferred``).
 * ``GET /health``: 503 ``{"error": {"message": "Loading model"…}}`` while loading, 200
   ``{"status": "ok"}`` after (``server-http.cpp`` middleware); ``GET /v1/models`` lists
   the ``--alias``; ``GET /slots`` (with ``--slots``) per-slot ``n_ctx``,
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from engines.kinds import EngineKind, present
 from engines.kinds.prom import prometheus_samples
@@ -130,9 +135,18 @@ def parse(text: str, at: float, previous: MetricsSnapshot | None) -> MetricsSnap
     )
 
 
+def parse_slots(props: Any) -> int | None:
+    """``GET /props`` (decoded JSON) → ``total_slots``, or None when absent or not a
+    positive integer."""
+    n = props.get("total_slots") if isinstance(props, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 KIND = EngineKind(
     name="llamacpp", metrics_path="/metrics", parse=parse,
     signals=frozenset({"running", "waiting", "prefix_hits"}),
     close_after_stream=True,
-    quirks="no KV usage/blocks: admitted by in-flight count; full queue defers, never 429",
+    quirks="no KV usage/blocks: admitted by the learned limit, capped at its slots; "
+           "full queue defers, never 429",
+    slots_path="/props", parse_slots=parse_slots,
 )

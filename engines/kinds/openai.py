@@ -3,8 +3,10 @@
 Nothing but ``/v1/models`` and the inference endpoints is assumed: readiness is
 ``GET /v1/models`` listing the model (``/health`` is tried first and a 404 there is
 not a failure), the inference probe uses chat completions when ``/v1/completions``
-answers 404, and the engine is admitted by the gateway's own in-flight count
-(``saturation.unmetered_max_in_flight``), never starved for want of ``/metrics``.
+answers 404, and the engine is admitted by the gateway's own in-flight accounting and
+latency observations (the learned limit, starting at
+``saturation.unmetered_max_in_flight``; ``limits.saturation``), never starved for want
+of ``/metrics``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the simulator speaking this dialect (``--dialect tgi``), not a real TGI server:
   ``tgi_batch_current_max_tokens`` (tokens the running batch may reach) has no
   exported budget to divide by (``--max-batch-total-tokens`` is only in ``GET /info``),
   and there are no prefix-cache counters: TGI gives no KV usage, block size or prefix
-  hits here, so it is admitted by in-flight count.
+  hits here, so it is admitted by the gateway's own accounting (the learned limit).
 * ``GET /health`` 200 after a real forward pass; ``GET /v1/models`` lists the
   ``model_id``; ``/v1/chat/completions`` and ``/v1/completions``.
 * Accepts ``stream_options.include_usage``; no ``cache_salt`` or ``priority``.

@@ -10,7 +10,9 @@ in :mod:`engines.kinds` maps the engine's own names back onto the same load. Sou
   names).
 * ``llamacpp``: llama.cpp's hand-written exposition (``server-task.cpp``
   ``to_metrics``, the tree vendored in llama-cpp-python 0.3.36): ``# HELP`` / ``# TYPE``
-  / one unlabelled sample per metric, counters already ending in ``_total``.
+  / one unlabelled sample per metric, counters already ending in ``_total``; and
+  ``GET /props`` with ``total_slots`` (``get_res_props`` in ``server-context.cpp``), the
+  simulator's ``--max-num-seqs``.
 * ``sglang``: ``sglang/srt/metrics/collector.py`` (commit ``00ae9c1``): gauges
   labelled ``model_name``; ``cached_tokens_total`` also labelled ``cache_source``.
 * ``tgi``: ``router/src/server.rs`` (commit ``d957e32``): unlabelled ``tgi_*`` gauges
@@ -51,6 +53,8 @@ class Dialect:
         completions: serves ``POST /v1/completions`` (else chat only).
         owned_by: ``owned_by`` of the ``/v1/models`` entry.
         error_body: an error (message, type, HTTP status) → response JSON.
+        props: the engine → the JSON of ``GET /props`` (llama.cpp), or None for no
+            such route.
     """
 
     name: str
@@ -60,6 +64,7 @@ class Dialect:
     completions: bool = True
     owned_by: str = "vllm"
     error_body: Callable[[str, str, int], dict[str, Any]] | None = None
+    props: Callable[[SimEngine], dict[str, Any]] | None = None
 
 
 def _vllm(engine: SimEngine) -> tuple[bytes, str]:
@@ -181,7 +186,9 @@ class _TrtllmStats:
 
 DIALECTS: dict[str, Dialect] = {d.name: d for d in (
     Dialect("vllm", "/metrics", _vllm),
-    Dialect("llamacpp", "/metrics", _llamacpp, owned_by="llamacpp"),
+    Dialect("llamacpp", "/metrics", _llamacpp, owned_by="llamacpp",
+            props=lambda e: {"total_slots": e.profile.max_num_seqs,
+                             "model_alias": e.model_name}),
     Dialect("sglang", "/metrics", _sglang, owned_by="sglang"),
     Dialect("tgi", "/metrics", _tgi, owned_by="text-generation-inference",
             error_body=_tgi_error),

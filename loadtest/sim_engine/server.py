@@ -3,7 +3,10 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not),
 ``GET /health``, ``GET /v1/models``, ``GET /metrics``, and the simulator's own
 ``GET``/``POST /sim/speed`` (read or change the speed factor at run time: body
-``{"speed": 0.5}``; 400 unless it is a positive number). A client that disconnects
+``{"speed": 0.5}``; 400 unless it is a positive number) and ``GET /sim/stats`` (the
+token counters, in every dialect: ``{"prompt_tokens", "generation_tokens", …}``, so a
+test can see work arrive at an engine without ``/metrics``), ``GET /props`` in the
+llama.cpp dialect. A client that disconnects
 aborts its request at once (the app must be served with
 ``handler_cancellation=True``, as :func:`serve` does): it stops counting as running
 and its KV blocks are freed, as vLLM aborts requests whose connection closed.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -79,8 +83,11 @@ def create_app(engine: SimEngine, connector: SimConnector | None = None,
     app.router.add_get("/v1/models", _models)
     if d.metrics_path:
         app.router.add_get(d.metrics_path, _metrics)
+    if d.props:
+        app.router.add_get("/props", _props)
     app.router.add_get("/sim/speed", _speed)
     app.router.add_post("/sim/speed", _speed)
+    app.router.add_get("/sim/stats", _stats)
     app.cleanup_ctx.append(_engine_loop)
     return app
 
@@ -273,6 +280,16 @@ async def _models(request: web.Request) -> web.Response:
         "owned_by": request.app[DIALECT].owned_by,
         "root": name, "parent": None, "max_model_len": engine.profile.max_model_len,
     }]}), content_type="application/json")
+
+
+async def _stats(request: web.Request) -> web.Response:
+    return web.json_response(dataclasses.asdict(request.app[ENGINE].scheduler.counters))
+
+
+async def _props(request: web.Request) -> web.Response:
+    props = request.app[DIALECT].props
+    assert props is not None  # the route exists only with props
+    return web.json_response(props(request.app[ENGINE]))
 
 
 async def _metrics(request: web.Request) -> web.Response:

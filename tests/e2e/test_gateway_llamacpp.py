@@ -112,6 +112,27 @@ def test_real_metrics_page_parses_and_gateway_shows_signals(served, client):
                      "prefix_hits": "1.0", "block_size": "0.0", "num_blocks": "0.0"}
 
 
+def test_real_props_give_the_slots_that_cap_the_gateway(served, client):
+    """The live ``GET /props`` gives ``total_slots`` = the launch's ``--parallel 4``; the
+    gateway's concurrency limit for the engine never exceeds it, even with 8 concurrent
+    requests (the others wait in the gateway's queue)."""
+    (engine,) = served.engine_urls()
+    assert KINDS["llamacpp"].parse_slots(httpx.get(engine + "/props", timeout=5).json()) == 4
+    limits: list[float] = []
+
+    def one(i: int) -> int:
+        out = client.completions.create(model=MODEL, prompt=f"Story {i}:", max_tokens=16)
+        text = httpx.get(served.url + "/metrics", timeout=5).text
+        limits.extend(float(v) for v in re.findall(
+            r'^sluice_engine_(?:concurrency_limit|requests_in_flight)\{engine="llama",'
+            r'model="gemma3-270m"\} (\S+)$', text, re.M))
+        return out.usage.completion_tokens
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(n > 0 for n in pool.map(one, range(8)))
+    assert limits and max(limits) <= 4, limits
+
+
 def test_engine_killed_is_restarted(served, client):
     (victim,) = served.engine_processes()
     victim.send_signal(signal.SIGKILL)

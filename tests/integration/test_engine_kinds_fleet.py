@@ -125,10 +125,12 @@ async def test_every_dialect_serves_and_reports_its_signals(gateway) -> None:
             assert time.monotonic() - started < 5, model  # admitted, not queued to timeout
 
 
-async def test_unmetered_chat_only_engine_takes_load_and_stays_ready(gateway) -> None:
-    """Eight concurrent requests to the engine without /metrics: all served (in-flight
-    count admits 4 at a time, the rest wait their turn), and after several idle
-    inference probes (chat, since it has no /v1/completions) it is still ready."""
+async def test_unmetered_chat_only_engine_takes_load_and_stays_ready(gateway,
+                                                                     bare_engine) -> None:
+    """Eight concurrent requests to the engine without /metrics: all served (admitted
+    by the learned limit, the rest wait their turn), and after three idle inference
+    probes (chat, since it has no /v1/completions; seen arriving at the engine) it is
+    still ready."""
     async with aiohttp.ClientSession() as session:
         async def one() -> int:
             async with session.post(gateway.url + "/v1/chat/completions", headers=auth("t"),
@@ -137,7 +139,18 @@ async def test_unmetered_chat_only_engine_takes_load_and_stays_ready(gateway) ->
                 return r.status
 
         assert await asyncio.gather(*(one() for _ in range(8))) == [200] * 8
-        await asyncio.sleep(2.0)  # ≥ 3 idle inference probes at 0.5 s
+
+        async def generated() -> int:
+            async with session.get(bare_engine + "/sim/stats") as r:
+                return (await r.json())["generation_tokens"]
+
+        after_load = await generated()
+
+        async def probed() -> bool:  # each idle inference probe generates one token
+            return await generated() >= after_load + 3
+
+        await wait_for(probed, 20, "three idle inference probes of the bare engine",
+                       poll_s=0.1)
         async with session.get(gateway.url + "/metrics") as r:
             up = _samples(await r.text(), "sluice_engine_up")
         assert up['engine="bare",model="bare-model",state="ready"'] == 1.0

@@ -66,7 +66,27 @@ async def test_engine_without_metrics_is_unmetered_and_logged(sim_at, caplog) ->
     assert snap is None and engine.metrics is None and not engine.metered
     (record,) = [r for r in caplog.records if "signal(s)" in r.getMessage()]
     assert record.levelno == logging.WARNING
-    assert "in-flight count" in record.getMessage()
+    assert "in-flight accounting and latency observations" in record.getMessage()
+
+
+async def test_llamacpp_slots_read_once_per_generation(sim_at) -> None:
+    """llama.cpp's ``/props`` ``total_slots`` (the simulator's ``max_num_seqs``)
+    becomes ``Engine.slots``, read again after a restart (a new generation); other
+    dialects have no slot count."""
+    engine, _ = await _poll_once(await sim_at("llamacpp"), "llamacpp")
+    assert engine.slots == get_profile("cpu-gemma3-270m").max_num_seqs
+    async with aiohttp.ClientSession() as session:
+        poller = MetricsPoller(EnginePool([engine]), engine, session, interval_s=1,
+                               timeout_s=2, kind=KINDS["llamacpp"])
+        engine.slots = None
+        assert await poller.read_slots() == engine.slots == \
+            get_profile("cpu-gemma3-270m").max_num_seqs
+        engine.slots = 1  # not read again within one generation
+        assert await poller.read_slots() == 1
+        engine.generation += 1
+        assert await poller.read_slots() == get_profile("cpu-gemma3-270m").max_num_seqs
+    tgi, _ = await _poll_once(await sim_at("tgi"), "tgi")
+    assert tgi.slots is None
 
 
 async def test_wrong_dialect_page_warns(sim_at, caplog) -> None:

@@ -107,6 +107,17 @@ def test_llamacpp_real_page() -> None:
     assert snap.kv_cache_usage is None and snap.block_size is None
 
 
+def test_llamacpp_slots_from_props() -> None:
+    """``GET /props`` of llama-server (``get_res_props``, llama-cpp-python 0.3.36 tree):
+    ``total_slots`` is ``--parallel``; anything else is no slot count."""
+    parse = KINDS["llamacpp"].parse_slots
+    assert KINDS["llamacpp"].slots_path == "/props" and parse is not None
+    assert parse({"total_slots": 4, "model_alias": "gemma3-270m"}) == 4
+    for bad in ({}, {"total_slots": 0}, {"total_slots": "4"}, {"total_slots": True}, [4]):
+        assert parse(bad) is None
+    assert all(k.slots_path is None for n, k in KINDS.items() if n != "llamacpp")
+
+
 @pytest.mark.parametrize("dialect", ["vllm", "llamacpp", "sglang", "tgi", "trtllm"])
 def test_every_dialect_reads_back_the_same_load(dialect: str) -> None:
     """One engine state, each dialect's page, each parser: the same running and

@@ -18,6 +18,7 @@ class Load:
     in_flight: int = 0
     metrics_at: float | None = 100.0
     metered: bool = True
+    slots: int | None = None
 
 
 NOW = 101.0
@@ -49,6 +50,33 @@ def test_engine_without_kv_usage_is_admitted_by_in_flight_count() -> None:
     assert not detector.admits(replace(no_kv, metrics_at=None), "interactive", 1, NOW)
     capped = SaturationDetector(max_in_flight=2, unmetered_max_in_flight=8)
     assert not capped.admits(replace(unmetered, in_flight=2), "interactive", 1, NOW)
+
+
+def test_learned_admission_sets_no_fixed_cap_on_an_engine_without_kv_usage() -> None:
+    """With adaptive admission the learned limit (applied by placement) decides: no
+    fixed cap here, but the engine's waiting queue, stale metrics of a metered engine
+    and a configured max_in_flight still count."""
+    learned = SaturationDetector(learned=True)
+    no_kv = Load(kv_cache_usage=None, block_size=None, num_blocks=None)
+    assert learned.admits(replace(no_kv, in_flight=40), "interactive", 1, NOW)
+    assert learned.admits(replace(no_kv, in_flight=40, metrics_at=None, metered=False),
+                          "batch", 1, NOW)
+    assert not learned.admits(replace(no_kv, num_waiting=5), "interactive", 1, NOW)
+    assert not learned.admits(replace(no_kv, metrics_at=None), "interactive", 1, NOW)
+    capped = SaturationDetector(learned=True, max_in_flight=6)
+    assert not capped.admits(replace(no_kv, in_flight=6), "interactive", 1, NOW)
+    cfg = EnginesConfig.model_validate({"engines": []})
+    assert SaturationDetector.from_config(cfg).learned  # adaptive admission is shipped on
+
+
+def test_reported_slots_are_a_hard_cap() -> None:
+    """An engine that reports a fixed slot count (llama.cpp) never gets more of this
+    gateway's requests than it has slots, learned limit or not, KV usage or not."""
+    no_kv = Load(kv_cache_usage=None, block_size=None, num_blocks=None, slots=2)
+    for d in (SaturationDetector(learned=True), detector):
+        assert d.admits(replace(no_kv, in_flight=1), "interactive", 1, NOW)
+        assert not d.admits(replace(no_kv, in_flight=2), "interactive", 1, NOW)
+    assert not detector.admits(Load(slots=3, in_flight=3), "interactive", 1, NOW)
 
 
 def test_kv_watermark() -> None:
