@@ -72,12 +72,25 @@ class RecursiveLeastSquares:
         self.huber_k = huber_k
         self.noise_alpha = noise_alpha
         self.samples = 0
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        # θ and P as tuples: a prediction of a 3-parameter model in plain Python costs
+        # a fraction of numpy's per-call overhead, and placement predicts per candidate.
+        self._theta_t = tuple(self.theta.tolist())
+        self._p_t = tuple(tuple(row) for row in self.P.tolist())
 
     def predict(self, x: Sequence[float]) -> tuple[float, float]:
         """(mean, standard deviation) of y at ``x``: ``θ·x`` and
         ``σ sqrt(1 + xᵀ P x)``."""
-        v = np.asarray(x, dtype=float)
-        return float(self.theta @ v), math.sqrt(self.noise_var * (1 + max(float(v @ self.P @ v), 0.0)))
+        mean = quad = 0.0
+        for theta_i, row, xi in zip(self._theta_t, self._p_t, x, strict=True):
+            mean += theta_i * xi
+            px = 0.0
+            for p, xj in zip(row, x, strict=True):
+                px += p * xj
+            quad += xi * px
+        return mean, math.sqrt(self.noise_var * (1 + max(quad, 0.0)))
 
     def update(self, x: Sequence[float], y: float) -> bool:
         """Fit one sample; False (and nothing changes) when ``y`` or ``x`` is not
@@ -104,6 +117,7 @@ class RecursiveLeastSquares:
         self.noise_var = max(self._noise_floor, (1 - self.noise_alpha) * self.noise_var
                              + self.noise_alpha * e_clipped ** 2 / s)
         self.samples += 1
+        self._snapshot()
         return True
 
 
@@ -169,6 +183,7 @@ class LatencyModel:
         self.tpot_rel_error = 1.0
         #: EWMA of the prefill tokens per decode step seen by finishing requests
         self.prefill_per_step = 0.0
+        self._knee: tuple[tuple, int] | None = None
 
     # ------------------------------------------------------------------ predictions
 
@@ -185,7 +200,12 @@ class LatencyModel:
 
     def knee(self, tpot_target_s: float, z: float = 0.0, *, cap: int = 1024) -> int:
         """The largest batch ``b`` (≥ 1, ≤ ``cap``) whose TPOT̂ (+ ``z`` σ) meets
-        ``tpot_target_s``: the concurrency limit this model implies."""
+        ``tpot_target_s``: the concurrency limit this model implies. Remembered until
+        the TPOT fit or the prefill interference changes (placement asks per request
+        and per engine)."""
+        key = (tpot_target_s, z, cap, self.tpot.samples, self.prefill_per_step)
+        if self._knee is not None and self._knee[0] == key:
+            return self._knee[1]
         lo, hi = 1, cap
         while lo < hi:  # TPOT̂ is non-decreasing in the batch (θ ≥ 0)
             mid = (lo + hi + 1) // 2
@@ -193,6 +213,7 @@ class LatencyModel:
                 lo = mid
             else:
                 hi = mid - 1
+        self._knee = (key, lo)
         return lo
 
     @property
