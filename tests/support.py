@@ -8,6 +8,8 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable
 
+import aiohttp
+
 #: Seconds between two checks of a :func:`wait_for` predicate.
 POLL_S = 0.01
 #: Checks :func:`wait_for` makes after single event-loop iterations before it starts
@@ -61,3 +63,15 @@ def wait_for_sync(predicate: Callable[[], bool], timeout_s: float = 10.0,
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
         time.sleep(POLL_S)
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """``name{labels}`` → value of the Prometheus text page at ``url/metrics``."""
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out

@@ -23,7 +23,7 @@ from tests.integration.limits_support import (
     tenant,
     write_config,
 )
-from tests.support import wait_for
+from tests.support import scrape, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -58,17 +58,6 @@ def engine_urls(gw) -> dict[float, str]:
                 f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
     return out
 
-
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """``name{labels}`` → value of a Prometheus text page."""
-    async with session.get(url + "/metrics") as r:
-        text = await r.text()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
 
 
 def limit(m: dict[str, float], engine: str) -> float | None:

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from tests.integration.limits_support import auth, chat, gateways, sim_engine, tenant, write_config
-from tests.support import wait_for
+from tests.support import scrape, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -38,17 +38,6 @@ def gateway(tmp_path_factory: pytest.TempPathFactory):
     with gateways(cfg, 1) as (gw,):
         yield gw
 
-
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """``name{labels}`` → value of a Prometheus text page."""
-    async with session.get(url + "/metrics") as r:
-        text = await r.text()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
 
 
 def gauge(m: dict[str, float], name: str, engine: str, model: str) -> float:
