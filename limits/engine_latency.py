@@ -13,12 +13,7 @@ The decision (:func:`decide`, pure): an engine takes a request when
 2. the predicted TPOT at one more request in flight — plus the room kept for more
    urgent bands (below) — plus ``z`` σ, stays within the tightest TPOT target among
    the requests already running there and the request's own; an engine with nothing
-   in flight always qualifies. On an engine that misses the TPOT target even with
-   one request (a target it cannot attain), the target becomes the TPOT̂ at the
-   batch of greatest throughput per latency
-   (:meth:`~limits.latency_model.LatencyModel.attainable_tpot_s`): every request
-   misses it there anyway, and serving one at a time would only lose throughput and
-   shed requests the engine could serve. A burst above that knee passes too when the long-run
+   in flight always qualifies. A burst above that knee passes too when the long-run
    load is below it: when the engine's expected occupancy by Little's law (all
    bands, ``sustained``, which includes the urgent bands' mean) plus one meets the
    rule, and TPOT̂ (mean) at one more request in flight now, plus the reserve, meets
@@ -122,7 +117,7 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
     if limit is not None:
         ok = in_flight + reserve < math.floor(limit)
         return Verdict(ok, ttft, None, None if ok else "tpot")
-    target = model.attainable_tpot_s(min(tpot_target_s, tightest_running_tpot_s or math.inf), z)
+    target = min(tpot_target_s, tightest_running_tpot_s or math.inf)
     tpot = model.predict_tpot(in_flight + 1 + reserve)
     ok = tpot.upper(z) <= target
     if not ok and sustained is not None:  # a burst over a load the knee holds

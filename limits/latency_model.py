@@ -198,32 +198,14 @@ class LatencyModel:
         p = self.prefill_per_step if prefill_per_step is None else prefill_per_step
         return Prediction(*self.tpot.predict((1.0, batch, p)))
 
-    def attainable_tpot_s(self, tpot_target_s: float, z: float = 0.0, *, cap: int = 1024) -> float:
-        """The TPOT target admission can hold this engine to, s: ``tpot_target_s``
-        when TPOT̂ (+ ``z`` σ) of a single request meets it; otherwise (the engine
-        misses the target even alone, so every request misses it and holding the
-        batch small only costs throughput) the TPOT̂ at the batch that maximises
-        Kleinrock's power, throughput / latency: with ``TPOT(b) = c + θ_b b`` (``c``
-        the batch-independent part, prefill interference included), ``b / TPOT(b)²``
-        peaks at ``b* = c / θ_b``, where TPOT is twice its unloaded part (Kleinrock,
-        "Power and deterministic rules of thumb for probabilistic problems in computer
-        communications", ICC 1979). ``b*`` is at least 1 and at most ``cap``."""
-        if self.predict_tpot(1).upper(z) <= tpot_target_s:
-            return tpot_target_s
-        step, per_seq, per_prefill_token = self.tpot._theta_t
-        c = step + per_prefill_token * self.prefill_per_step
-        b = min(float(cap), max(1.0, c / per_seq)) if per_seq > 0 else float(cap)
-        return max(tpot_target_s, self.predict_tpot(b).upper(z))
-
     def knee(self, tpot_target_s: float, z: float = 0.0, *, cap: int = 1024) -> int:
         """The largest batch ``b`` (≥ 1, ≤ ``cap``) whose TPOT̂ (+ ``z`` σ) meets
-        :meth:`attainable_tpot_s` of ``tpot_target_s``: the concurrency limit this
-        model implies. Remembered until the TPOT fit or the prefill interference
-        changes (placement asks per request and per engine)."""
+        ``tpot_target_s``: the concurrency limit this model implies. Remembered until
+        the TPOT fit or the prefill interference changes (placement asks per request
+        and per engine)."""
         key = (tpot_target_s, z, cap, self.tpot.samples, self.prefill_per_step)
         if self._knee is not None and self._knee[0] == key:
             return self._knee[1]
-        tpot_target_s = self.attainable_tpot_s(tpot_target_s, z, cap=cap)
         lo, hi = 1, cap
         while lo < hi:  # TPOT̂ is non-decreasing in the batch (θ ≥ 0)
             mid = (lo + hi + 1) // 2

@@ -367,22 +367,3 @@ def test_band_demand_is_arrival_rate_times_service_time() -> None:
     eng.sent(10, 10, 0.1, band=0)
     eng.sent(10, 10, 0.1, band=2)
     assert eng.urgent_in_flight(2) == 1 and eng.urgent_in_flight(0) == 0
-
-
-def test_an_unattainable_tpot_target_holds_the_engine_at_its_power_knee() -> None:
-    # the TRUE engine with prefill interference p: TPOT(b) = c + 4 ms·b, c = 44 ms + 1.19 ms·p
-    model = fitted()
-    model.prefill_per_step = 20.0
-    c = TRUE["step"] + TRUE["per_prefill"] * 20.0  # 67.8 ms: one request alone misses 50 ms
-    b_star = c / TRUE["per_seq"]  # ≈ 17: throughput / latency peaks there
-    assert model.predict_tpot(1).mean > 0.05
-    assert model.attainable_tpot_s(0.05) == pytest.approx(2 * c, rel=0.05)
-    assert abs(model.knee(0.05) - b_star) <= 1
-    # an attainable target is kept as it is, with its own (smaller) knee
-    assert model.attainable_tpot_s(0.1) == 0.1
-    assert model.knee(0.1) == pytest.approx((0.1 - c) / TRUE["per_seq"], abs=1)
-    base = dict(uncached_tokens=100, pending_prefill_tokens=0, decoding=5, ttft_budget_s=1.0,
-                tpot_target_s=0.05, tightest_running_tpot_s=0.05, z=0.0)
-    assert decide(model, in_flight=8, **base).admit  # not held to one request at a time
-    v = decide(model, in_flight=20, **base)
-    assert not v.admit and v.reason == "tpot"
