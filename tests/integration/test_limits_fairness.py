@@ -43,7 +43,11 @@ def gateway_url(tmp_path_factory: pytest.TempPathFactory):
                  tenant("chat", priority="interactive", max_queue_wait_s=INTERACTIVE_BOUND_S),
                  tenant("bulk", priority="batch", max_queue_wait_s=60)],
         engines=[sim_engine(speed=20.0)],
-        gateway={"queue": {"quantum_tokens": 256}},
+        # the backlog is the point here: queued standard and batch tickets wait longer
+        # than their default TTFT targets, which would shed them as predicted misses
+        gateway={"queue": {"quantum_tokens": 256},
+                 "slo": {"standard": {"ttft_s": 120, "tpot_s": 0.1},
+                         "batch": {"ttft_s": 120, "tpot_s": 0.1}}},
         saturation={"max_in_flight": 4, "max_waiting": 1000},
     )
     with gateways(cfg, 1) as (gw,):
