@@ -32,7 +32,10 @@ def sim_config(tenants: dict[str, Any] | None = None) -> Config:
     specs = [{"name": "sim", "model": MODEL, "kind": "sim", "replicas": 2, "args": SIM_ARGS}]
     return Config(
         gateway=GatewayConfig.model_validate(
-            {"port": 0, "cache": {"enabled": False}, "queue": {"default_max_wait_s": 30}}),
+            # the bursts here test where requests land, not SLO shedding: a queued
+            # ticket may wait as long as the queue allows
+            {"port": 0, "cache": {"enabled": False}, "queue": {"default_max_wait_s": 30},
+             "slo": {"standard": {"ttft_s": 30, "tpot_s": 0.1}}}),
         engines=EnginesConfig.model_validate({
             "engines": specs, "supervisor": {**FAST_SUPERVISOR, "startup_grace_s": 60},
             "scheduler": SHIPPED, "saturation": {"max_waiting": 64}}),
