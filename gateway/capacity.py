@@ -31,8 +31,10 @@ class CapacityReport:
         self.slo, self.adaptive = slo, adaptive
 
     def _views(self, model: str) -> list[capacity.EngineView]:
+        tightest = min(self.slo.target(p).tpot_s for p in PRIORITIES)
         return [capacity.EngineView(e.id, e.labels.get("spec", e.id), e.latency.model,
-                                    e.latency.mode, e.block_size, e.num_blocks, e.cost_per_hour)
+                                    e.latency.mode(tightest), e.block_size, e.num_blocks,
+                                    e.cost_per_hour)
                 for e in self.pool.for_model(model) if e.latency is not None]
 
     def report(self, model: str, target_rate: float | None) -> dict[str, object]:

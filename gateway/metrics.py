@@ -53,10 +53,13 @@ def rejection_reason(rec: RequestRecord) -> str:
 def concurrency_limit(engine: Engine, tpot_target_s: float) -> int | None:
     """The requests in flight ``engine`` may take now: its learned limit
     (:meth:`limits.engine_latency.EngineLatency.limit` for the ``tpot_target_s`` target,
-    s), at most its slots where it reports them; None while adaptive admission is off."""
+    s), at most its slots where it reports them; at best effort its slots; None while
+    adaptive admission is off, or at best effort on an engine without slots."""
     if engine.latency is None:
         return None
     learned = engine.latency.limit(tpot_target_s)
+    if learned is None:
+        return engine.slots
     return min(learned, engine.slots) if engine.slots else learned
 
 class GatewayMetrics:
@@ -210,7 +213,8 @@ class FleetCollector(Collector):
             "it reports them.", labels=["engine", "model"])
         mode = GaugeMetricFamily(
             "sluice_engine_admission_mode", "1 for the active admission controller: model "
-            "(fitted latency model) or gradient (fallback limiter).",
+            "(fitted latency model), gradient (fallback limiter) or best_effort (the "
+            "engine misses the TPOT target even alone; its capacity signals admit).",
             labels=["engine", "model", "mode"])
         params = GaugeMetricFamily(
             "sluice_engine_latency_param", "Fitted latency-model parameter (s, s/token or "
@@ -218,8 +222,10 @@ class FleetCollector(Collector):
         for e in self.pool.engines:
             if e.latency is None:
                 continue
-            limit.add_metric([e.id, e.model], concurrency_limit(e, self.tpot_target_s))
-            mode.add_metric([e.id, e.model, e.latency.mode], 1.0)
+            cap = concurrency_limit(e, self.tpot_target_s)
+            if cap is not None:
+                limit.add_metric([e.id, e.model], cap)
+            mode.add_metric([e.id, e.model, e.latency.mode(self.tpot_target_s)], 1.0)
             for name, value in e.latency.model.params().items():
                 params.add_metric([e.id, e.model, name], float(value))
         desired = GaugeMetricFamily(

@@ -200,14 +200,18 @@ class Placer:
         """The engines predicted to serve ``need`` within its band's SLO
         (:func:`limits.engine_latency.decide`), keeping room for more urgent bands;
         bursts pass while the long-run occupancy (all bands), shared among the ready
-        engines in proportion to their knees, is under each engine's knee.
+        engines in proportion to their knees, is under each engine's knee. Engines
+        that can meet the request's SLO are preferred: those that take it only at best
+        effort (:meth:`~limits.engine_latency.EngineLatency.best_effort`: too slow for
+        its TPOT target even alone) are returned only when none of the others would.
 
         Raises:
             Rejected: ``OVERLOADED`` (reason ``predicted_miss``) when, with every
-                ready engine's model trusted, even one with no prefill queued would
-                start the request after its TTFT target because of the time it has
-                already waited (it could have met it on arrival): serving it late
-                would only take capacity from requests that can still make theirs.
+                ready engine's model trusted and none at best effort for the request,
+                even one with no prefill queued would start the request after its
+                TTFT target because of the time it has already waited (it could have
+                met it on arrival): serving it late would only take capacity from
+                requests that can still make theirs.
         """
         assert need.arrived is not None
         model, priority = need.sched.model, need.priority
@@ -218,8 +222,8 @@ class Placer:
         best = math.inf
         for e in ready:
             lat = e.latency
-            if lat is None or not lat.model.confident:
-                best = -math.inf
+            if lat is None or not lat.model.confident or lat.best_effort(target.tpot_s):
+                best = -math.inf  # not known, or a late start there costs no one's SLO
                 break
             best = min(best, lat.model.predict_ttft(self.uncached(e, need.sched, now),
                                                     lat.decoding).upper(z))
@@ -232,12 +236,21 @@ class Placer:
         demand = self.band_demand(model)
         urgent = demand.urgent_reserve(priority) / max(1, len(ready))
         # the long-run occupancy, shared among the engines as their knees are
-        knees = {e.id: e.latency.limit(target.tpot_s) for e in ready if e.latency is not None}
+        knees = {e.id: k for e in ready if e.latency is not None
+                 and (k := e.latency.limit(target.tpot_s)) is not None}
         per_knee = demand.total_occupancy() / max(1, sum(knees.values()))
-        return [e for e in engines if e.latency is None or e.latency.decide(
-            self.uncached(e, need.sched, now), budget, target.tpot_s, engine_load(e),
-            max(0.0, urgent - e.latency.urgent_in_flight(band)),
-            per_knee * knees.get(e.id, 0)).admit]
+        within, best_effort = [], []
+        for e in engines:
+            if e.latency is None:
+                within.append(e)
+                continue
+            verdict = e.latency.decide(
+                self.uncached(e, need.sched, now), budget, target.tpot_s, engine_load(e),
+                max(0.0, urgent - e.latency.urgent_in_flight(band)),
+                per_knee * knees.get(e.id, 0))
+            if verdict.admit:
+                (best_effort if verdict.best_effort else within).append(e)
+        return within or best_effort
 
     def place(self, need: Need, exclude: frozenset[str] = frozenset()) -> Placement | None:
         """Pick an engine with room for ``need`` (and, with adaptive admission, within

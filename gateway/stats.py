@@ -187,7 +187,7 @@ class StatsFeed:
             "waiting": e.metrics.num_waiting if e.metrics else 0,
             "in_flight": e.in_flight, "restarts": e.restarts,
             "limit": concurrency_limit(e, self.tpot_target_s),
-            "mode": e.latency.mode if e.latency is not None else None,
+            "mode": e.latency.mode(self.tpot_target_s) if e.latency is not None else None,
             "output_tokens_per_hour": self._rates.get(e.id, (None, None))[0],
             "cost_per_1k_output_tokens": self._rates.get(e.id, (None, None))[1],
         } for e in self.pool.engines]

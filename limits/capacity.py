@@ -14,7 +14,10 @@ tokens ``p``, uncached prompt tokens ``u`` and output tokens ``o``:
 * ``concurrency = min(knee, KV bound)`` — the ``--max-num-seqs`` the engine should
   run with for that band;
 * throughput by Little's law, ``concurrency / (TTFT̂(u, concurrency) + TPOT̂ × (o − 1))``
-  requests/s, and ``× o`` output tokens/s.
+  requests/s, and ``× o`` output tokens/s — 0 when the band's SLO cannot be met there
+  at all: one request alone misses its TTFT target (TTFT̂(u, 0) + ``z`` σ) or its TPOT
+  target (TPOT̂(1) with no prefill interference, the engine's best effort,
+  :meth:`~limits.engine_latency.EngineLatency.best_effort`).
 
 Engines needed for a rate ``R``: ``ceil(R / throughput)`` of one kind (its spec
 name), priced at ``cost_per_hour`` when the spec declares one.
@@ -54,7 +57,8 @@ class EngineView:
 def band_capacity(model: LatencyModel, mix: Mix, ttft_s: float, tpot_s: float, z: float,
                   block_size: int | None, num_blocks: int | None) -> dict[str, float | int | None]:
     """One engine's knee, KV bound, concurrency and throughput for one band (see the
-    module docstring); throughput 0 when even one request misses ``ttft_s``."""
+    module docstring); throughput 0 when even one request alone misses ``ttft_s`` or
+    ``tpot_s``."""
     knee = model.knee(tpot_s, z)
     blocks = math.ceil((mix.prompt_tokens + mix.output_tokens) / block_size) if block_size else None
     kv_bound = num_blocks // blocks if blocks and num_blocks else None
@@ -62,7 +66,8 @@ def band_capacity(model: LatencyModel, mix: Mix, ttft_s: float, tpot_s: float, z
     ttft = model.predict_ttft(mix.uncached_tokens, concurrency).mean
     tpot = model.predict_tpot(concurrency).mean
     service = ttft + tpot * max(0.0, mix.output_tokens - 1)
-    meets = model.predict_ttft(mix.uncached_tokens, 0).upper(z) <= ttft_s
+    meets = (model.predict_ttft(mix.uncached_tokens, 0).upper(z) <= ttft_s
+             and model.predict_tpot(1, 0.0).mean <= tpot_s)
     rps = concurrency / service if service > 0 and meets else 0.0
     return {"knee": knee, "kv_blocks_per_request": blocks, "kv_bound": kv_bound,
             "max_num_seqs": concurrency, "requests_per_s": round(rps, 4),

@@ -35,8 +35,18 @@ The concurrency limit this implies (:meth:`EngineLatency.limit`) is the knee: th
 largest batch whose TPOT̂ meets the tightest target. While the model is not trusted
 (:attr:`LatencyModel.confident`), the limit of a
 :class:`~limits.gradient.GradientLimiter` on normalised TPOT applies instead, and rule 2
-becomes ``in flight < limit``; :attr:`EngineLatency.mode` says which is active
-(``model`` or ``gradient``).
+becomes ``in flight < limit``.
+
+Best effort: when the trusted model predicts that even one request alone, with no
+prefill interference, decodes slower than a TPOT target (``TPOT̂(1, 0)`` above it), no
+admission can give a request of that target its SLO on this engine; holding requests
+back or shedding them there would only lose throughput. Such requests are admitted
+by the engine's capacity signals alone (slots, KV watermark and blocks, waiting
+requests: :mod:`limits.saturation`), as a plain proxy would, and rules 1 and 2 do not
+apply (:meth:`EngineLatency.best_effort`; it ends when ``TPOT̂(1, 0)`` falls under
+:data:`BEST_EFFORT_EXIT` × the target, so an engine at the boundary does not flap
+between a limit of 1 and its capacity). :meth:`EngineLatency.mode` says which
+controller is active (``model``, ``gradient`` or ``best_effort``).
 
 Observations (:meth:`EngineLatency.sent`, :meth:`~EngineLatency.first_token`,
 :meth:`~EngineLatency.finished`) come from the proxy: the send time, features at send
@@ -74,12 +84,14 @@ from limits.latency_model import LatencyModel, Prediction
 @dataclass(frozen=True)
 class Verdict:
     """:func:`decide`'s answer: ``admit``, the predictions it used (s) and, when
-    refused, ``reason`` (``ttft`` or ``tpot``)."""
+    refused, ``reason`` (``ttft`` or ``tpot``); ``best_effort`` when admitted at best
+    effort (:meth:`EngineLatency.best_effort`)."""
 
     admit: bool
     ttft: Prediction
     tpot: Prediction | None
     reason: str | None = None
+    best_effort: bool = False
 
 
 def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens: int,
@@ -231,6 +243,10 @@ class IntervalObservations:
     ttft: tuple[float, float, float] | None = None
 
 
+#: Best effort for a TPOT target ends when TPOT̂(1, 0) falls under this fraction of it
+#: (hysteresis: a predicted TPOT within 10 % of the target is within its noise).
+BEST_EFFORT_EXIT = 0.9
+
 #: Fewest decoded tokens in an interval for its mean inter-token latency to count.
 MIN_INTERVAL_TOKENS = 4
 
@@ -318,25 +334,52 @@ class EngineLatency:
         #: not yet collected by :meth:`drain_errors`
         self.ttft_errors: list[float] = []
         self._counters: EngineCounters | None = None  # the previous scrape's
+        self._best_effort: set[float] = set()  # TPOT targets served at best effort, s
 
-    @property
-    def mode(self) -> str:
-        """``model`` when the fitted model drives admission, else ``gradient``."""
-        return "model" if self.model.confident else "gradient"
+    def best_effort(self, tpot_target_s: float) -> bool:
+        """Whether requests of TPOT target ``tpot_target_s`` (s) are served at best
+        effort here: the model is trusted and ``TPOT̂(1, 0)`` (mean) exceeds the target,
+        or exceeded it and has not yet fallen under :data:`BEST_EFFORT_EXIT` × the
+        target (module docstring)."""
+        if not self.model.confident:
+            self._best_effort.discard(tpot_target_s)
+            return False
+        alone = self.model.predict_tpot(1, 0.0).mean
+        bound = tpot_target_s * (BEST_EFFORT_EXIT if tpot_target_s in self._best_effort else 1.0)
+        if alone > bound:
+            self._best_effort.add(tpot_target_s)
+            return True
+        self._best_effort.discard(tpot_target_s)
+        return False
+
+    def mode(self, tpot_target_s: float) -> str:
+        """The controller that admits requests of TPOT target ``tpot_target_s`` (s):
+        ``best_effort`` (:meth:`best_effort`), ``model`` (the fitted model's rules) or
+        ``gradient`` (the fallback limiter, while the model is not trusted)."""
+        if not self.model.confident:
+            return "gradient"
+        return "best_effort" if self.best_effort(tpot_target_s) else "model"
 
     @property
     def in_flight(self) -> int:
         return len(self.flights)
 
     def tightest_tpot_s(self) -> float | None:
-        """Smallest TPOT target among the requests in flight, s, or None."""
-        return min((f.tpot_target_s for f in self.flights), default=None)
+        """Smallest TPOT target among the requests in flight that are not served at
+        best effort, s, or None."""
+        targets = {f.tpot_target_s for f in self.flights}
+        return min((t for t in targets if not self.best_effort(t)), default=None)
 
-    def limit(self, tpot_target_s: float) -> int:
-        """The concurrency limit now: the model's knee for the tightest of
-        ``tpot_target_s`` and the running targets, or the gradient limiter's."""
-        if self.mode == "gradient":
+    def limit(self, tpot_target_s: float) -> int | None:
+        """The concurrency limit now for a request of TPOT target ``tpot_target_s``
+        (s): the model's knee for the tightest of it and the running targets, the
+        gradient limiter's, or None at best effort (no learned limit: the engine's
+        capacity signals admit)."""
+        mode = self.mode(tpot_target_s)
+        if mode == "gradient":
             return max(1, math.floor(self.gradient.limit))
+        if mode == "best_effort":
+            return None
         target = min(tpot_target_s, self.tightest_tpot_s() or math.inf)
         return self.model.knee(target, self.z)
 
@@ -355,7 +398,10 @@ class EngineLatency:
         """:func:`decide` for this engine's state; ``reported_load`` (the engine's own
         running + waiting count, which includes other gateway processes' requests)
         replaces the ledger's in-flight count when larger; ``reserve`` and
-        ``sustained`` as there."""
+        ``sustained`` as there. At best effort (:meth:`best_effort`) the request is
+        admitted without rules 1 and 2 (``Verdict.best_effort``)."""
+        if self.best_effort(tpot_target_s):
+            return Verdict(True, self.predict_ttft(uncached_tokens), None, best_effort=True)
         return decide(self.model, uncached_tokens=uncached_tokens,
                       pending_prefill_tokens=self.pending_prefill_tokens,
                       decoding=self.decoding, in_flight=max(self.in_flight, reported_load),

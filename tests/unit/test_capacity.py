@@ -34,6 +34,9 @@ def test_band_capacity_knee_kv_bound_and_littles_law() -> None:
     assert small["kv_bound"] == 5 and small["max_num_seqs"] == 5
     # a prefill that misses the TTFT target even alone: no throughput within the SLO
     assert band_capacity(model(1.0), MIX, 0.1, 0.1, 0.0, 128, 433)["requests_per_s"] == 0
+    # nor a decode that misses the TPOT target alone (48 ms at speed 1; 96 ms at 0.5)
+    assert band_capacity(model(1.0), MIX, 1.0, 0.05, 0.0, 128, 433)["requests_per_s"] > 0
+    assert band_capacity(model(0.5), MIX, 10.0, 0.09, 0.0, 128, 433)["requests_per_s"] == 0
 
 
 def test_report_sizes_the_fleet_per_kind_and_prices_it() -> None:

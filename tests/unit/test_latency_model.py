@@ -175,6 +175,54 @@ def test_decide_empty_engine_always_takes_and_fallback_limit_applies() -> None:
     assert not decide(model, in_flight=4, limit=4.0, **base).admit
 
 
+def slowed(model: LatencyModel, factor: float) -> LatencyModel:
+    """``model`` with every TPOT parameter × ``factor`` (an engine ``factor`` × slower)."""
+    model.tpot.theta = model.tpot.theta * factor
+    model.tpot._snapshot()
+    return model
+
+
+def test_an_engine_too_slow_for_the_target_even_alone_serves_at_best_effort() -> None:
+    clock = FakeClock()
+    # TPOT̂(1, 0) = 48 ms: the knee for 100 ms is 14; × 2.5 (120 ms alone) none exists
+    eng = EngineLatency(fitted(), clock, z=0.0)
+    assert eng.mode(0.1) == "model" and eng.limit(0.1) in (13, 14)
+    flights = [eng.sent(0, 100, 0.1) for _ in range(15)]
+    v = eng.decide(100, ttft_budget_s=1.0, tpot_target_s=0.1)
+    assert not v.admit and v.reason == "tpot" and not v.best_effort
+    slowed(eng.model, 2.5)
+    assert eng.mode(0.1) == "best_effort" and eng.limit(0.1) is None
+    # no SLO rule: admitted past any knee and with a TTFT budget already spent
+    eng.pending_prefill_tokens += 100_000
+    v = eng.decide(100, ttft_budget_s=0.0, tpot_target_s=0.1)
+    assert v.admit and v.best_effort and v.reason is None
+    eng.pending_prefill_tokens -= 100_000
+    # the running best-effort requests' target does not bind a looser request either
+    assert eng.tightest_tpot_s() is None
+    assert eng.decide(100, ttft_budget_s=10.0, tpot_target_s=0.5).admit
+    # a looser target the engine can meet keeps its own knee: TPOT̂(b) ≤ 0.5 s
+    assert eng.mode(0.5) == "model" and eng.limit(0.5) == eng.model.knee(0.5, 0.0) > 1
+    for f in flights:
+        eng.finished(f, ok=False)
+
+
+def test_best_effort_ends_only_well_under_the_target() -> None:
+    eng = EngineLatency(fitted(), FakeClock(), z=0.0)
+
+    def alone_ms(ms: float) -> bool:  # the engine slowed so that TPOT̂(1, 0) = ms
+        slowed(eng.model, ms / 1000 / eng.model.predict_tpot(1, 0.0).mean)
+        return eng.best_effort(0.1)
+
+    assert not alone_ms(97)
+    assert alone_ms(110)
+    assert alone_ms(97)  # under the target now, but within 10 % of it
+    assert not alone_ms(85)
+    assert not alone_ms(97)  # from below: the target rules
+    # an untrusted model is never best effort: the fallback limiter rules
+    assert not EngineLatency(LatencyModel(), FakeClock()).best_effort(1e-6)
+    assert EngineLatency(LatencyModel(), FakeClock()).mode(1e-6) == "gradient"
+
+
 # ----------------------------------------------------------------------------- gradient
 
 
