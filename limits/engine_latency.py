@@ -9,7 +9,11 @@ The decision (:func:`decide`, pure): an engine takes a request when
    ``z`` standard deviations fits the request's remaining TTFT budget (its band's
    target less the time it already waited); a request whose TTFT̂ misses even with
    no prefill queued ahead of it is held until an engine has none queued (it gets
-   the best service there is rather than never being admitted); and
+   the best service there is rather than never being admitted). The rule needs a
+   TTFT fit of its own (:attr:`LatencyModel.ttft_trusted`): the prior is only an
+   order of magnitude (1 ms per prompt token, where a GPU takes a tenth of that and
+   this machine's CPU ten times as much), and holding a cold engine's burst to one
+   prefill at a time on its word would serialise what the engine batches; and
 2. the predicted TPOT at one more request in flight — plus the room kept for more
    urgent bands (below) — plus ``z`` σ, stays within the tightest TPOT target among
    the requests already running there and the request's own; an engine with nothing
@@ -122,7 +126,7 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
     """
     ttft = model.predict_ttft(pending_prefill_tokens + uncached_tokens, decoding)
     alone = model.predict_ttft(uncached_tokens, decoding)  # no prefill queued ahead
-    if ttft.upper(z) > max(ttft_budget_s, alone.upper(z)):
+    if model.ttft_trusted and ttft.upper(z) > max(ttft_budget_s, alone.upper(z)):
         return Verdict(False, ttft, None, "ttft")
     if in_flight == 0:
         return Verdict(True, ttft, None)

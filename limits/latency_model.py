@@ -217,6 +217,12 @@ class LatencyModel:
         return lo
 
     @property
+    def ttft_trusted(self) -> bool:
+        """Whether the TTFT fit has ``min_samples`` samples (TTFT̂ may then hold a
+        request back; before, its prior would)."""
+        return self.ttft.samples >= self.min_samples
+
+    @property
     def confident(self) -> bool:
         """Whether admission may use the model (else the gradient limiter)."""
         return self.tpot.samples >= self.min_samples and self.tpot_rel_error <= self.max_rel_error

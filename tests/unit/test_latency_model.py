@@ -173,6 +173,15 @@ def test_decide_empty_engine_always_takes_and_fallback_limit_applies() -> None:
     assert decide(model, in_flight=0, **base).admit
     assert decide(model, in_flight=3, limit=4.0, **base).admit
     assert not decide(model, in_flight=4, limit=4.0, **base).admit
+    # the TTFT prior alone (1 ms/token: 10 s behind 10,000 queued tokens) holds
+    # nothing back; once the TTFT fit has its samples, it does
+    long = {**base, "uncached_tokens": 2000, "pending_prefill_tokens": 8000}
+    assert model.predict_ttft(10_000, 0).mean > 1.0
+    assert decide(model, in_flight=3, limit=4.0, **long).admit
+    for _ in range(model.min_samples):
+        model.observe_ttft(0.05 + 1e-3 * 10_000, 10_000, 0)
+    v = decide(model, in_flight=3, limit=4.0, **long)
+    assert model.ttft_trusted and not v.admit and v.reason == "ttft"
 
 
 def slowed(model: LatencyModel, factor: float) -> LatencyModel:
