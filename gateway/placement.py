@@ -207,11 +207,13 @@ class Placer:
 
         Raises:
             Rejected: ``OVERLOADED`` (reason ``predicted_miss``) when, with every
-                ready engine's model trusted and none at best effort for the request,
-                even one with no prefill queued would start the request after its
-                TTFT target because of the time it has already waited (it could have
-                met it on arrival): serving it late would only take capacity from
-                requests that can still make theirs.
+                ready engine's model trusted, even one with no prefill queued would
+                start the request after its TTFT target because of the time it has
+                already waited (it could have met it on arrival): serving it late
+                would only take capacity from requests that can still make theirs.
+                Engines at best effort for the request do not count; one of them with
+                room takes the request instead (a late start there costs no one's
+                SLO).
         """
         assert need.arrived is not None
         model, priority = need.sched.model, need.priority
@@ -219,19 +221,15 @@ class Placer:
         budget = target.ttft_s - (now - need.arrived)
         z = self.adaptive.confidence_z
         ready = [e for e in self.pool.for_model(model) if e.routable and serves_whole(e)]
-        best = math.inf
+        best = math.inf  # the soonest start on an engine that can meet the SLO
         for e in ready:
             lat = e.latency
-            if lat is None or not lat.model.confident or lat.best_effort(target.tpot_s):
-                best = -math.inf  # not known, or a late start there costs no one's SLO
+            if lat is None or not lat.model.confident:
+                best = -math.inf  # not known: no shedding
                 break
-            best = min(best, lat.model.predict_ttft(self.uncached(e, need.sched, now),
-                                                    lat.decoding).upper(z))
-        if budget < best <= target.ttft_s:
-            raise Rejected(Outcome.OVERLOADED,
-                           f"no engine can start this {priority} request within its "
-                           f"{target.ttft_s:g} s TTFT target any more; shed",
-                           retry_after_s=self.retry_after(model), reason="predicted_miss")
+            if not lat.best_effort(target.tpot_s):
+                best = min(best, lat.model.predict_ttft(self.uncached(e, need.sched, now),
+                                                        lat.decoding).upper(z))
         band = PRIORITIES.index(priority)
         demand = self.band_demand(model)
         urgent = demand.urgent_reserve(priority) / max(1, len(ready))
@@ -250,6 +248,13 @@ class Placer:
                 per_knee * knees.get(e.id, 0))
             if verdict.admit:
                 (best_effort if verdict.best_effort else within).append(e)
+        if budget < best <= target.ttft_s:
+            if best_effort:
+                return best_effort
+            raise Rejected(Outcome.OVERLOADED,
+                           f"no engine can start this {priority} request within its "
+                           f"{target.ttft_s:g} s TTFT target any more; shed",
+                           retry_after_s=self.retry_after(model), reason="predicted_miss")
         return within or best_effort
 
     def place(self, need: Need, exclude: frozenset[str] = frozenset()) -> Placement | None:

@@ -384,6 +384,35 @@ async def test_a_request_whose_ttft_target_has_passed_is_shed_as_predicted_miss(
     h.assert_nothing_held()
 
 
+async def test_an_engine_too_slow_for_the_slo_takes_what_the_others_cannot_serve_in_time() -> None:
+    from limits.latency_model import LatencyPrior
+    clock = Clock()
+    h = Harness(config(engines=2), FakeClient(), clock)
+    for name, step_s in (("e0", 0.02), ("e1", 0.2)):  # e1: TPOT 200 ms alone > 100 ms
+        lat = h.pool.get(name).latency
+        assert lat is not None
+        lat.model.__init__(LatencyPrior(ttft_overhead_s=0.05, prefill_s_per_token=0.001,
+                                        step_s=step_s, rel_std=1e-6), min_samples=0)
+        lat.model.tpot_rel_error = 0.0
+    assert h.pool.get("e1").latency.mode(0.1) == "best_effort"
+    assert h.pool.get("e0").latency.mode(0.1) == "model"
+    chat_tenant = TenantQuota(name="chat", priority="interactive")
+    for _ in range(10):  # in time: always the engine that meets the SLO
+        rec, _ = await h.run(chat(max_tokens=5), chat_tenant)
+        assert rec.outcome is Outcome.OK and rec.engine == "e0"
+    # too late for e0's TTFT target: served at best effort on e1, not shed
+    clock.step = 0.33
+    rec, _ = await h.run(chat(max_tokens=5), chat_tenant)
+    assert rec.outcome is Outcome.OK and rec.engine == "e1"
+    # and with e1 gone, shed as before (fresh metrics for e0: the clock moved on)
+    h.pool.set_state(h.pool.get("e1"), EngineState.DRAINING)
+    h.pool.set_metrics(h.pool.get("e0"), MetricsSnapshot(
+        at=clock.t, kv_cache_usage=0.1, block_size=16, num_blocks=1000))
+    rec, e = await h.run(chat(max_tokens=5), chat_tenant)
+    assert isinstance(e, Rejected) and e.reason == "predicted_miss"
+    h.assert_nothing_held()
+
+
 async def test_upstream_body_carries_the_band_never_the_clients_priority() -> None:
     import aiohttp
 
