@@ -210,7 +210,8 @@ class FleetCollector(Collector):
         limit = GaugeMetricFamily(
             "sluice_engine_concurrency_limit", "Learned requests in flight per engine that "
             "keep the tightest TPOT target (the knee), at most the engine's slots where "
-            "it reports them.", labels=["engine", "model"])
+            "it reports them; at best effort its slots (no sample without slots).",
+            labels=["engine", "model"])
         mode = GaugeMetricFamily(
             "sluice_engine_admission_mode", "1 for the active admission controller: model "
             "(fitted latency model), gradient (fallback limiter) or best_effort (the "
