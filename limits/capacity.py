@@ -67,7 +67,7 @@ def band_capacity(model: LatencyModel, mix: Mix, ttft_s: float, tpot_s: float, z
     tpot = model.predict_tpot(concurrency).mean
     service = ttft + tpot * max(0.0, mix.output_tokens - 1)
     meets = (model.predict_ttft(mix.uncached_tokens, 0).upper(z) <= ttft_s
-             and model.predict_tpot(1, 0.0).mean <= tpot_s)
+             and model.tpot_alone_s() <= tpot_s)
     rps = concurrency / service if service > 0 and meets else 0.0
     return {"knee": knee, "kv_blocks_per_request": blocks, "kv_bound": kv_bound,
             "max_num_seqs": concurrency, "requests_per_s": round(rps, 4),

@@ -348,7 +348,7 @@ class EngineLatency:
         if not self.model.confident:
             self._best_effort.discard(tpot_target_s)
             return False
-        alone = self.model.predict_tpot(1, 0.0).mean
+        alone = self.model.tpot_alone_s()
         bound = tpot_target_s * (BEST_EFFORT_EXIT if tpot_target_s in self._best_effort else 1.0)
         if alone > bound:
             self._best_effort.add(tpot_target_s)

@@ -198,6 +198,13 @@ class LatencyModel:
         p = self.prefill_per_step if prefill_per_step is None else prefill_per_step
         return Prediction(*self.tpot.predict((1.0, batch, p)))
 
+    def tpot_alone_s(self) -> float:
+        """TPOT̂ (mean) of one request alone with no prefill interference, s:
+        ``b0 + b1`` (``predict_tpot(1, 0).mean`` without its variance; admission asks
+        it per request and engine)."""
+        step, per_seq, _ = self.tpot._theta_t
+        return step + per_seq
+
     def knee(self, tpot_target_s: float, z: float = 0.0, *, cap: int = 1024) -> int:
         """The largest batch ``b`` (≥ 1, ≤ ``cap``) whose TPOT̂ (+ ``z`` σ) meets
         ``tpot_target_s``: the concurrency limit this model implies. Remembered until
