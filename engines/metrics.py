@@ -121,7 +121,8 @@ def parse_metrics(text: str, at: float) -> MetricsSnapshot:
             prefill_sum_s=maybe(f"{PREFILL_TIME}_sum"),
             prefill_count=maybe(f"{PREFILL_TIME}_count"),
             computed_tokens=maybe(f"{COMPUTED_TOKENS}_sum"),
-            prompt_tokens=maybe(PROMPT_TOKENS), cached_tokens=total(PREFIX_HITS))
+            prompt_tokens=maybe(PROMPT_TOKENS), cached_tokens=total(PREFIX_HITS),
+            queried_tokens=maybe(PREFIX_QUERIES), generated_tokens=maybe(GENERATION))
     block_size = num_blocks = None
     info = series.get(CACHE_CONFIG)
     if info:

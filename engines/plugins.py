@@ -26,13 +26,15 @@ from engines.pool import Engine
 
 
 def engine_load(engine: Engine) -> int:
-    """Requests on ``engine``: the larger of this gateway's in-flight count (exact and
-    current, but blind to other gateway replicas) and the engine's own running +
-    waiting (every client, but up to one metrics interval old). Adding them would
-    count this gateway's waiting requests twice."""
+    """Requests on ``engine``: this gateway's in-flight count (exact and current) plus
+    the other clients' requests in the engine's last report (its running + waiting
+    less this gateway's in-flight count when the report arrived; up to one metrics
+    interval old). Taking the report whole would hold a slot this gateway's finished
+    request left until the next scrape; adding it whole would count this gateway's
+    requests twice."""
     m = engine.metrics
-    reported = m.num_running + m.num_waiting if m else 0
-    return max(engine.in_flight, reported, 0)
+    others = m.num_running + m.num_waiting - engine.in_flight_at_metrics if m else 0
+    return engine.in_flight + max(0, others)
 
 
 class NoParams(BaseModel):

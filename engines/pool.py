@@ -76,6 +76,8 @@ class Engine:
         state: current :class:`EngineState`.
         in_flight: requests this gateway process has sent and not finished.
         metrics: latest snapshot or None before the first scrape.
+        in_flight_at_metrics: ``in_flight`` when ``metrics`` was stored (the part of
+            the engine's reported load that is this process's own).
         generation: bumped on every (re)start; caches keyed on the engine's content
             (prefix index) drop entries from older generations.
         promised_blocks: KV blocks reserved by in-flight requests (limits' KV budget).
@@ -101,6 +103,7 @@ class Engine:
     state: EngineState = EngineState.STARTING
     in_flight: int = 0
     metrics: MetricsSnapshot | None = None
+    in_flight_at_metrics: int = 0
     generation: int = 0
     promised_blocks: int = 0
     restarts: int = 0
@@ -202,6 +205,7 @@ class EnginePool:
     def set_metrics(self, engine: Engine, snapshot: MetricsSnapshot) -> None:
         """Store ``snapshot``; its histograms feed the engine's latency model."""
         engine.metrics = snapshot
+        engine.in_flight_at_metrics = engine.in_flight
         if engine.latency is not None and snapshot.counters is not None:
             engine.latency.scraped(snapshot.counters)
         self.notify()

@@ -70,7 +70,15 @@ inter-token latency is a TPOT sample at the interval's mean running + waiting co
 and its uncached prefill tokens per step; the mean prefill time of the requests that
 finished is a TTFT sample of a request's own computed prompt tokens with nothing
 queued ahead, at the mean running count. They arrive while requests still decode, so
-the model follows a change without waiting for generations to end.
+the model follows a change without waiting for generations to end. The uncached
+prompt tokens of an interval are ``vllm:prefix_cache_queries`` less
+``vllm:prefix_cache_hits``: vLLM counts both when it schedules a request, whereas
+``vllm:prompt_tokens`` grows only at its first token, so the difference of the
+latter and the hits, clipped at zero per interval, would count a cached prompt as
+uncached whenever the two land in different intervals. The interval's uncached and
+generated tokens (``vllm:generation_tokens``) also feed the turnover ratio
+(:meth:`LatencyModel.observe_turnover`); an engine without these counters feeds it
+from the requests the gateway sees end.
 """
 
 from __future__ import annotations
@@ -217,6 +225,9 @@ class EngineCounters:
             tokens the finished requests computed, cache hits excluded).
         prompt_tokens: ``vllm:prompt_tokens`` (prefill tokens, cached included).
         cached_tokens: ``vllm:prefix_cache_hits`` (prompt tokens found cached).
+        queried_tokens: ``vllm:prefix_cache_queries`` (prompt tokens looked up in the
+            prefix cache, counted with the hits).
+        generated_tokens: ``vllm:generation_tokens``.
     """
 
     at: float
@@ -229,6 +240,8 @@ class EngineCounters:
     computed_tokens: float | None = None
     prompt_tokens: float | None = None
     cached_tokens: float = 0.0
+    queried_tokens: float | None = None
+    generated_tokens: float | None = None
 
 
 @dataclass(frozen=True)
@@ -238,13 +251,15 @@ class IntervalObservations:
 
     Attributes:
         tpot: (mean inter-token latency s, mean running + waiting, uncached prefill
-            tokens per decode step).
+            tokens per decode step, decode steps in the interval).
         ttft: (mean prefill time s, mean computed prompt tokens per request, mean
             running).
+        turnover: (uncached prompt tokens, generated tokens) of the interval.
     """
 
-    tpot: tuple[float, float, float] | None = None
+    tpot: tuple[float, float, float, float] | None = None
     ttft: tuple[float, float, float] | None = None
+    turnover: tuple[float, float] | None = None
 
 
 #: Best effort for a TPOT target ends when TPOT̂(1, 0) falls under this fraction of it
@@ -267,20 +282,27 @@ def interval_observations(prev: EngineCounters, now: EngineCounters) -> Interval
     def delta(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None or b < a else b - a
 
-    tpot = ttft = None
+    tpot = ttft = turnover = None
+    hits = delta(prev.cached_tokens, now.cached_tokens) or 0.0
+    queried = delta(prev.queried_tokens, now.queried_tokens)
+    if queried is not None:  # counted together with the hits
+        uncached = max(0.0, queried - hits)
+    else:
+        uncached = max(0.0, (delta(prev.prompt_tokens, now.prompt_tokens) or 0.0) - hits)
+    generated = delta(prev.generated_tokens, now.generated_tokens)
+    if generated is not None:
+        turnover = (uncached, generated)
     n_itl, s_itl = delta(prev.itl_count, now.itl_count), delta(prev.itl_sum_s, now.itl_sum_s)
     if n_itl is not None and s_itl is not None and n_itl >= MIN_INTERVAL_TOKENS and s_itl > 0:
         itl = s_itl / n_itl
         steps = max(1.0, dt / itl)  # each decode step takes about one inter-token latency
-        prompt = delta(prev.prompt_tokens, now.prompt_tokens) or 0.0
-        uncached = max(0.0, prompt - (delta(prev.cached_tokens, now.cached_tokens) or 0.0))
-        tpot = (itl, (prev.load + now.load) / 2, uncached / steps)
+        tpot = (itl, (prev.load + now.load) / 2, uncached / steps, steps)
     n = delta(prev.prefill_count, now.prefill_count)
     s_prefill = delta(prev.prefill_sum_s, now.prefill_sum_s)
     computed = delta(prev.computed_tokens, now.computed_tokens)
     if n and s_prefill and computed is not None:
         ttft = (s_prefill / n, computed / n, (prev.running + now.running) / 2)
-    return IntervalObservations(tpot, ttft)
+    return IntervalObservations(tpot, ttft, turnover)
 
 
 @dataclass(eq=False)
@@ -338,6 +360,7 @@ class EngineLatency:
         #: not yet collected by :meth:`drain_errors`
         self.ttft_errors: list[float] = []
         self._counters: EngineCounters | None = None  # the previous scrape's
+        self._engine_turnover = False  # the scrapes feed the turnover ratio
         self._best_effort: set[float] = set()  # TPOT targets served at best effort, s
 
     def best_effort(self, tpot_target_s: float) -> bool:
@@ -399,9 +422,10 @@ class EngineLatency:
     def decide(self, uncached_tokens: int, ttft_budget_s: float, tpot_target_s: float,
                reported_load: int = 0, reserve: float = 0.0,
                sustained: float | None = None) -> Verdict:
-        """:func:`decide` for this engine's state; ``reported_load`` (the engine's own
-        running + waiting count, which includes other gateway processes' requests)
-        replaces the ledger's in-flight count when larger; ``reserve`` and
+        """:func:`decide` for this engine's state; ``reported_load`` (the requests on
+        the engine, this process's and other clients' in its last report:
+        :func:`engines.plugins.engine_load`) replaces the ledger's in-flight count
+        when larger; ``reserve`` and
         ``sustained`` as there. At best effort (:meth:`best_effort`) the request is
         admitted without rules 1 and 2 (``Verdict.best_effort``)."""
         if self.best_effort(tpot_target_s):
@@ -466,13 +490,15 @@ class EngineLatency:
         if not ok or flight.first_at is None:
             return
         ttft = flight.first_at - flight.sent_at
-        ahead = flight.ahead_tokens
+        own = flight.uncached_tokens
         if cached_tokens is not None:  # the engine's count replaces the estimate
-            prompt = prompt_tokens or flight.prompt_tokens
-            ahead += max(0, prompt - cached_tokens) - flight.uncached_tokens
+            own = max(0, (prompt_tokens or flight.prompt_tokens) - cached_tokens)
+        ahead = flight.ahead_tokens + own - flight.uncached_tokens
         if ttft > 0:
             self.ttft_errors.append(abs(flight.predicted_ttft_s - ttft) / ttft)
         self.model.observe_ttft(ttft, ahead, flight.decoding_at_send)
+        if not self._engine_turnover:
+            self.model.observe_turnover(own, completion_tokens, now)
         steps = completion_tokens - 1
         span = now - flight.first_at
         if steps < 1 or span <= 0:
@@ -480,7 +506,7 @@ class EngineLatency:
         tpot = span / steps
         mean_batch = (self._integral - flight.integral_at_first) / span
         prefill_per_step = (self._prefilled - flight.prefilled_at_first) / steps
-        self.model.observe_tpot(tpot, mean_batch, prefill_per_step)
+        self.model.observe_tpot(tpot, mean_batch, prefill_per_step, steps)
         self.gradient.observe(tpot, flight.tpot_target_s, self.in_flight + 1)
 
     def scraped(self, counters: EngineCounters) -> IntervalObservations:
@@ -491,8 +517,11 @@ class EngineLatency:
         if prev is None:
             return IntervalObservations()
         obs = interval_observations(prev, counters)
+        if obs.turnover is not None:
+            self._engine_turnover = True
+            self.model.observe_turnover(*obs.turnover, counters.at)
         if obs.tpot is not None:
-            self.model.observe_tpot(*obs.tpot)
+            self.model.observe_tpot(*obs.tpot, request=False)
             tightest = self.tightest_tpot_s()
             if tightest is not None:
                 self.gradient.observe(obs.tpot[0], tightest, max(1, round(obs.tpot[1])))

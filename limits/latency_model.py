@@ -16,11 +16,27 @@ decoding sequence (the steps a new request shares with them); ``b0`` is the fixe
 step time, ``b1`` seconds per sequence in the batch, ``b2`` the prefill cost that
 chunked/mixed batching adds to every running sequence's step.
 
+Predicting TPOT at a batch ``b`` needs the prefill tokens per step a request will
+decode alongside. That is the engine's own turnover: each step of ``b`` decoding
+sequences yields ``b`` tokens, and by Little's law the requests that replace them
+bring ``ρ`` uncached prompt tokens per generated token, so ``prefill/step = ρ b``.
+``ρ`` is the ratio of the uncached prompt tokens to the generated tokens over the last
+``turnover_tau_s`` (exponentially weighted; :meth:`LatencyModel.observe_turnover`):
+a request's TPOT averages over its whole decode, so the interference it sees is the
+long-run one, not the last second's prefills, which would swing the knee with every
+prefill that lands.
+
 Each is fitted by recursive least squares with exponential forgetting (Ljung &
 Söderström, "Theory and Practice of Recursive Identification", MIT Press 1983,
-ch. 2): gain ``K = P x / (1 + xᵀ P x)``, ``θ ← θ + K e``, ``P ← (P − K xᵀ P) / λ``, with
-the noise variance ``σ²`` estimated from the residuals, so ``σ² (1 + xᵀ P x)`` is the
-predictive variance the admission uses (mean + ``z`` standard deviations).
+ch. 2): gain ``K = P x / (1/w + xᵀ P x)``, ``θ ← θ + K e``, ``P ← (P − K xᵀ P) / λ``,
+with the noise variance ``σ²`` estimated from the residuals, so ``σ² (1 + xᵀ P x)``
+is the predictive variance the admission uses (mean + ``z`` standard deviations).
+A TPOT sample is the mean of the decode steps it spans, and a step's time varies a
+lot (a step that carries a prefill chunk takes many times a plain one), so its
+weight ``w`` is its steps over the mean steps of the requests seen to finish: a
+metrics interval of three steps weighs a few hundredths of a request, and the
+predictive spread is that of one request's TPOT, the quantity the SLO bounds, not
+that of a fraction of a second of decoding.
 Robustness: samples that are not finite or not positive are ignored; the innovation
 is clipped at ``huber_k`` predictive standard deviations (Huber's M-estimator applied
 recursively); ``P``'s diagonal is capped at the prior's (forgetting without
@@ -81,7 +97,7 @@ class RecursiveLeastSquares:
         self._p_t = tuple(tuple(row) for row in self.P.tolist())
 
     def predict(self, x: Sequence[float]) -> tuple[float, float]:
-        """(mean, standard deviation) of y at ``x``: ``θ·x`` and
+        """(mean, standard deviation) of a unit-weight y at ``x``: ``θ·x`` and
         ``σ sqrt(1 + xᵀ P x)``."""
         mean = quad = 0.0
         for theta_i, row, xi in zip(self._theta_t, self._p_t, x, strict=True):
@@ -92,14 +108,17 @@ class RecursiveLeastSquares:
             quad += xi * px
         return mean, math.sqrt(self.noise_var * (1 + max(quad, 0.0)))
 
-    def update(self, x: Sequence[float], y: float) -> bool:
-        """Fit one sample; False (and nothing changes) when ``y`` or ``x`` is not
-        finite or ``y`` ≤ 0."""
+    def update(self, x: Sequence[float], y: float, weight: float = 1.0) -> bool:
+        """Fit one sample of noise variance ``σ² / weight`` (weighted least squares: a
+        sample that averages ``w`` times the observations of a unit one weighs ``w``);
+        False (and nothing changes) when ``y`` or ``x`` is not finite, ``y`` ≤ 0 or
+        ``weight`` ≤ 0."""
         v = np.asarray(x, dtype=float)
-        if not (math.isfinite(y) and y > 0 and np.all(np.isfinite(v))):
+        if not (math.isfinite(y) and y > 0 and np.all(np.isfinite(v))
+                and math.isfinite(weight) and weight > 0):
             return False
         px = self.P @ v
-        s = 1.0 + float(v @ px)
+        s = 1.0 / weight + float(v @ px)
         e = y - float(self.theta @ v)
         bound = self.huber_k * math.sqrt(self.noise_var * s)
         e_clipped = min(max(e, -bound), bound)
@@ -168,10 +187,13 @@ class LatencyModel:
         min_samples: TPOT samples before :attr:`confident` can be true (default 20).
         max_rel_error: :attr:`confident` also needs the EWMA of the TPOT relative
             prediction error below this (default 0.35).
+        turnover_tau_s: time constant of the turnover ratio ``ρ``, s (default 20: a
+            few generations of a typical chat request).
     """
 
     def __init__(self, prior: LatencyPrior = LatencyPrior(), *, forgetting: float = 0.97,
-                 min_samples: int = 20, max_rel_error: float = 0.35) -> None:
+                 min_samples: int = 20, max_rel_error: float = 0.35,
+                 turnover_tau_s: float = 20.0) -> None:
         r = prior.rel_std
         a = (prior.ttft_overhead_s, prior.prefill_s_per_token, prior.ttft_s_per_seq)
         b = (prior.step_s, prior.step_s_per_seq, prior.step_s_per_prefill_token)
@@ -181,9 +203,13 @@ class LatencyModel:
         self.max_rel_error = max_rel_error
         #: EWMA of |TPOT̂ − TPOT| / TPOT over the last samples (before each update)
         self.tpot_rel_error = 1.0
-        #: EWMA of the prefill tokens per decode step seen by finishing requests
-        self.prefill_per_step = 0.0
+        #: ``ρ``: uncached prompt tokens per generated token, recent (module docstring)
+        self.prefill_per_token = 0.0
+        self.turnover_tau_s = turnover_tau_s
+        self._turnover: tuple[float, float, float] | None = None  # (uncached, generated, at)
         self._knee: tuple[tuple, int] | None = None
+        #: EWMA of the decode steps of the requests seen to finish (None before one)
+        self.request_steps: float | None = None
 
     # ------------------------------------------------------------------ predictions
 
@@ -194,8 +220,8 @@ class LatencyModel:
 
     def predict_tpot(self, batch: float, prefill_per_step: float | None = None) -> Prediction:
         """TPOT at ``batch`` requests in flight, s; prefill interference at
-        ``prefill_per_step`` tokens per step (default: the recent average)."""
-        p = self.prefill_per_step if prefill_per_step is None else prefill_per_step
+        ``prefill_per_step`` tokens per step (default: the turnover's, ``ρ × batch``)."""
+        p = self.prefill_per_token * batch if prefill_per_step is None else prefill_per_step
         return Prediction(*self.tpot.predict((1.0, batch, p)))
 
     def tpot_alone_s(self) -> float:
@@ -208,9 +234,9 @@ class LatencyModel:
     def knee(self, tpot_target_s: float, z: float = 0.0, *, cap: int = 1024) -> int:
         """The largest batch ``b`` (≥ 1, ≤ ``cap``) whose TPOT̂ (+ ``z`` σ) meets
         ``tpot_target_s``: the concurrency limit this model implies. Remembered until
-        the TPOT fit or the prefill interference changes (placement asks per request
-        and per engine)."""
-        key = (tpot_target_s, z, cap, self.tpot.samples, self.prefill_per_step)
+        the TPOT fit or the turnover ratio changes (placement asks per request and per
+        engine)."""
+        key = (tpot_target_s, z, cap, self.tpot.samples, self.prefill_per_token)
         if self._knee is not None and self._knee[0] == key:
             return self._knee[1]
         lo, hi = 1, cap
@@ -246,13 +272,35 @@ class LatencyModel:
         """One request's TTFT (s) with the features it was sent with."""
         return self.ttft.update((1.0, prefill_tokens, decoding), ttft_s)
 
-    def observe_tpot(self, tpot_s: float, mean_batch: float, prefill_per_step: float) -> bool:
-        """One request's mean TPOT (s) over its decode, the mean requests in flight
-        and the prefill tokens per decode step during it."""
-        if not (math.isfinite(tpot_s) and tpot_s > 0):
+    def observe_tpot(self, tpot_s: float, mean_batch: float, prefill_per_step: float,
+                     steps: float, *, request: bool = True) -> bool:
+        """A mean TPOT (s) over ``steps`` decode steps, the mean requests in flight and
+        the prefill tokens per decode step during them: one request's decode
+        (``request``) or a metrics interval's. Its weight is ``steps`` over
+        :attr:`request_steps` (1 before a request was seen to finish); the relative
+        error behind :attr:`confident` moves by ``0.1 ×`` that weight (at most 0.1)."""
+        if not (math.isfinite(tpot_s) and tpot_s > 0 and steps > 0):
             return False
+        if request:
+            self.request_steps = steps if self.request_steps is None else \
+                self.request_steps + 0.1 * (steps - self.request_steps)
+        weight = steps / self.request_steps if self.request_steps else 1.0
         predicted = self.predict_tpot(mean_batch, prefill_per_step).mean
-        self.tpot_rel_error += 0.1 * (min(abs(predicted - tpot_s) / tpot_s, 2.0)
-                                      - self.tpot_rel_error)
-        self.prefill_per_step += 0.1 * (prefill_per_step - self.prefill_per_step)
-        return self.tpot.update((1.0, mean_batch, prefill_per_step), tpot_s)
+        self.tpot_rel_error += 0.1 * min(1.0, weight) * (
+            min(abs(predicted - tpot_s) / tpot_s, 2.0) - self.tpot_rel_error)
+        return self.tpot.update((1.0, mean_batch, prefill_per_step), tpot_s, weight)
+
+    def observe_turnover(self, uncached_tokens: float, generated_tokens: float,
+                         at: float) -> None:
+        """The engine prefilled ``uncached_tokens`` and generated ``generated_tokens``
+        in a span ending at clock time ``at`` (s): both join sums decayed by
+        ``exp(−Δt / turnover_tau_s)``, whose ratio is ``ρ``. Negative counts are
+        ignored."""
+        if uncached_tokens < 0 or generated_tokens < 0:
+            return
+        u, n, last = self._turnover or (0.0, 0.0, at)
+        w = math.exp(-max(0.0, at - last) / self.turnover_tau_s)
+        u, n = u * w + uncached_tokens, n * w + generated_tokens
+        self._turnover = (u, n, at)
+        if n > 0:
+            self.prefill_per_token = u / n

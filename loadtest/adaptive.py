@@ -6,7 +6,9 @@ interactive 30 %, standard 50 %, batch 20 %; a request is good with TTFT ≤ 1 s
 TPOT ≤ 100 ms; rejections count as misses).
 
 1. **homogeneous** — 4 engines at speed 1. The closed-loop probe finds the capacity
-   and the best static ``max_in_flight`` ``b``. Then through the gateway with the
+   and the best static ``max_in_flight`` ``b`` (``--capacity`` and ``--per-engine``
+   give them instead, so that two code versions can be compared at the same load:
+   the probe's answer varies by about 15 % from run to run). Then through the gateway with the
    shipped saturation defaults (adaptive, no ``max_in_flight``): ``adaptive_1x``,
    ``adaptive_2x``, ``adaptive`` (3×); straight to the engines ``direct_1x``; through
    a gateway with ``max_in_flight = b`` (adaptive off, ``interactive_reserve`` as the
@@ -27,6 +29,9 @@ TPOT ≤ 100 ms; rejections count as misses).
    within 25 % (at least ±1) of its value over the last 40 % of the phase and the
    interactive attainment of 5 s windows stays within 0.1 of the phase's last 40 %;
    ``worst_window_attainment`` is the lowest interactive attainment of 10 s windows.
+Each gateway run's summary has ``shed_reasons``: the gateway's rejections by
+``band:reason`` (its ``sluice_rejected_total``), e.g. ``interactive:overloaded:predicted_miss``.
+
 4. **prediction** — ``|TTFT̂ − TTFT| / TTFT`` over the adaptive runs' served
    streamed requests, with TTFT̂ from ``x-sluice-ttft-predicted-ms`` and TTFT
    measured by the client less the gateway queue wait (``x-sluice-queue-ms``).
@@ -54,6 +59,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -64,6 +70,7 @@ import aiohttp
 from loadtest.launch import gateway
 from loadtest.overload import (
     MODEL,
+    PRIORITY_OF,
     TPOT_SLO_S,
     TTFT_SLO_S,
     Engines,
@@ -155,22 +162,51 @@ async def warm(session: aiohttp.ClientSession, engines: Engines, args: argparse.
                            for u in engines.urls for s in first))
 
 
+async def rejections(session: aiohttp.ClientSession, gateway_url: str) -> Counter[str]:
+    """The gateway's ``sluice_rejected_total`` as ``"band:reason"`` counts (the
+    benchmark's tenants each have one band)."""
+    async with session.get(gateway_url + "/metrics") as r:
+        text = await r.text()
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        if line.startswith("sluice_rejected_total{"):
+            labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:
+                                                           line.index("}")].split(","))
+            tenant, reason = labels["tenant"].strip('"'), labels["reason"].strip('"')
+            if tenant in PRIORITY_OF:
+                out[f"{PRIORITY_OF[tenant]}:{reason}"] += int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
 async def level(session: aiohttp.ClientSession, engines: Engines, urls: list[str],
                 specs: list[RequestSpec], args: argparse.Namespace, *, auth: bool,
-                name: str, out_dir: Path, duration_s: float | None = None) -> list[Outcome]:
+                name: str, out_dir: Path, duration_s: float | None = None,
+                reasons: dict[str, Any] | None = None) -> list[Outcome]:
+    """One open-loop run of ``specs``; its outcomes also go to ``name.jsonl``. With
+    ``reasons`` (a gateway run), ``reasons[name]`` gets the run's rejections by band
+    and reason (:func:`rejections`)."""
     await engines.wait_idle(session)
     duration_s = duration_s or args.duration
+    before = await rejections(session, urls[0]) if reasons is not None else None
     outcomes = await open_loop(session, urls, specs, duration_s, args.drain, auth=auth)
+    if reasons is not None and before is not None:
+        reasons[name] = dict(sorted((await rejections(session, urls[0]) - before).items()))
     with (out_dir / f"{name}.jsonl").open("w") as f:
         for o in outcomes:
             f.write(json.dumps(asdict(o)) + "\n")
     return outcomes
 
 
-def summary(outcomes: list[Outcome], duration_s: float) -> dict[str, Any]:
+def summary(outcomes: list[Outcome], duration_s: float,
+            reasons: dict[str, int] | None = None) -> dict[str, Any]:
+    """The run's figures (:func:`loadtest.overload.summarize`); ``shed_reasons``: the
+    gateway's rejections by ``band:reason`` when given."""
     s = summarize(outcomes, duration_s, None, 0.0)
-    return {k: s[k] for k in ("goodput", "slo_attainment", "shed", "offered", "served",
-                              "ttft_s", "tpot_s")}
+    out = {k: s[k] for k in ("goodput", "slo_attainment", "shed", "offered", "served",
+                             "ttft_s", "tpot_s")}
+    if reasons is not None:
+        out["shed_reasons"] = reasons
+    return out
 
 
 def oracle_interactive(specs: list[RequestSpec], runs: list[list[Outcome]], duration_s: float,
@@ -226,10 +262,13 @@ async def homogeneous(session: aiohttp.ClientSession, args: argparse.Namespace,
     engines = Engines(args.engines, args.profile, args.speed, out_dir, ENGINE_EXTRA)
     res: dict[str, Any] = {}
     adaptive_runs: list[Outcome] = []
+    reasons: dict[str, Any] = {}
     try:
         await engines.wait_ready(session)
         await warm(session, engines, args)
-        cap = await probe(session, engines, args, args.seed + 100)
+        cap = await probe(session, engines, args, args.seed + 100) if args.capacity is None \
+            else {"requests_per_s": args.capacity, "per_engine": args.per_engine,
+                  "given": True}
         res["capacity"] = cap
         capacity, b = cap["requests_per_s"], cap["per_engine"]
         specs = {k: workload(k * capacity, args.duration, args, seed=args.seed + k)
@@ -244,9 +283,10 @@ async def homogeneous(session: aiohttp.ClientSession, args: argparse.Namespace,
                         auth=True, name="homogeneous-learn", out_dir=out_dir,
                         duration_s=args.warmup_s)
             for k, key in ((1, "adaptive_1x"), (2, "adaptive_2x"), (3, "adaptive")):
+                name = f"homogeneous-{key}"
                 outs = await level(session, engines, [gw.url], specs[k], args, auth=True,
-                                   name=f"homogeneous-{key}", out_dir=out_dir)
-                res[key] = summary(outs, args.duration)
+                                   name=name, out_dir=out_dir, reasons=reasons)
+                res[key] = summary(outs, args.duration, reasons[name])
                 adaptive_runs += outs
                 print(f"homogeneous {key}: {json.dumps(res[key])}", file=sys.stderr, flush=True)
                 if k == 3:
@@ -258,8 +298,10 @@ async def homogeneous(session: aiohttp.ClientSession, args: argparse.Namespace,
                                    _static_cfg(b, args), gw_extra)
         with gateway(cfg, log_path=out_dir / "homogeneous-static.log", ready_timeout_s=60) as gw:
             static_3x = await level(session, engines, [gw.url], specs[3], args, auth=True,
-                                    name="homogeneous-static_tuned", out_dir=out_dir)
-        res["static_tuned"] = summary(static_3x, args.duration)
+                                    name="homogeneous-static_tuned", out_dir=out_dir,
+                                    reasons=reasons)
+        res["static_tuned"] = summary(static_3x, args.duration,
+                                      reasons["homogeneous-static_tuned"])
         res["static_tuned"]["max_in_flight"] = b
         res["oracle_interactive_3x"] = oracle_interactive(
             specs[3], [static_3x, adaptive_3x], args.duration, args.engines * b)
@@ -274,6 +316,7 @@ async def heterogeneous(session: aiohttp.ClientSession, args: argparse.Namespace
     n = len(args.het_speeds)
     engines = Engines(n, args.profile, list(args.het_speeds), out_dir, ENGINE_EXTRA)
     res: dict[str, Any] = {"speeds": list(args.het_speeds)}
+    reasons: dict[str, Any] = {}
     try:
         await engines.wait_ready(session)
         await warm(session, engines, args)
@@ -294,9 +337,10 @@ async def heterogeneous(session: aiohttp.ClientSession, args: argparse.Namespace
             sampler = LimitSampler(session, gw.url)
             sampler.start()
             adaptive = await level(session, engines, [gw.url], specs, args, auth=True,
-                                   name="heterogeneous-adaptive", out_dir=out_dir)
+                                   name="heterogeneous-adaptive", out_dir=out_dir,
+                                   reasons=reasons)
             await sampler.stop()
-        res["adaptive"] = summary(adaptive, args.duration)
+        res["adaptive"] = summary(adaptive, args.duration, reasons["heterogeneous-adaptive"])
         last = sampler.samples[-len(sampler.samples) // 3:] if sampler.samples else []
         res["adaptive"]["learned_limits"] = {
             e: round(statistics.mean(s[1].get(e, 0.0) for s in last), 1)
@@ -305,8 +349,10 @@ async def heterogeneous(session: aiohttp.ClientSession, args: argparse.Namespace
                                    _static_cfg(b, args), gw_extra)
         with gateway(cfg, log_path=out_dir / "heterogeneous-static.log", ready_timeout_s=60) as gw:
             static = await level(session, engines, [gw.url], specs, args, auth=True,
-                                 name="heterogeneous-static_tuned", out_dir=out_dir)
-        res["static_tuned"] = summary(static, args.duration)
+                                 name="heterogeneous-static_tuned", out_dir=out_dir,
+                                 reasons=reasons)
+        res["static_tuned"] = summary(static, args.duration,
+                                      reasons["heterogeneous-static_tuned"])
         res["static_tuned"]["max_in_flight"] = b
         report["heterogeneous"] = res
         return adaptive
@@ -513,7 +559,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-wait", type=float, default=0.5)
     p.add_argument("--shift-phase", type=float, default=40.0, help="s per workload phase")
     p.add_argument("--shift-load", type=float, default=2.0, help="× homogeneous capacity")
-    p.add_argument("--capacity", type=float, help="req/s for shift when homogeneous is skipped")
+    p.add_argument("--capacity", type=float,
+                   help="1x in req/s: homogeneous skips its probe (with --per-engine as the "
+                   "static limit and oracle slots); shift uses it when homogeneous is "
+                   "skipped")
+    p.add_argument("--per-engine", type=int, default=8,
+                   help="the probe's best batch when --capacity is given")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="shorter runs (~8 min): probes 6 8 10 of 15 s, 25 s windows, "

@@ -36,7 +36,7 @@ def feed(model: LatencyModel, rng: random.Random, n: int, *, step: float, per_se
         batch = rng.uniform(1, 24)
         pps = rng.uniform(0, 40)
         tpot = (step + per_seq * batch + per_prefill * pps) * rng.gauss(1, noise)
-        model.observe_tpot(tpot, batch, pps)
+        model.observe_tpot(tpot, batch, pps, 100)
         ahead = rng.uniform(10, 2000)
         dec = rng.randint(0, 20)
         ttft = (overhead + per_token * ahead + per_seq * dec) * rng.gauss(1, noise)
@@ -57,7 +57,7 @@ def test_converges_on_synthetic_data_with_known_parameters() -> None:
     assert p["prefill_s_per_token"] == pytest.approx(0.00119, rel=0.1)
     assert model.confident
     # the knee at 100 ms with no prefill interference: 44 + 4 b <= 100 -> b = 14
-    model.prefill_per_step = 0.0
+    model.prefill_per_token = 0.0
     assert model.knee(0.100) in (13, 14, 15)
     assert model.predict_tpot(14, 0.0).mean == pytest.approx(0.044 + 14 * 0.004, rel=0.05)
 
@@ -66,14 +66,14 @@ def test_forgets_after_a_change_of_speed() -> None:
     model = LatencyModel()
     rng = random.Random(2)
     feed(model, rng, 200, **TRUE)
-    model.prefill_per_step = 0.0
+    model.prefill_per_token = 0.0
     knee_before = model.knee(0.15)  # 44 + 4 b <= 150 -> 26
     before = model.predict_tpot(10, 0.0).mean
     slow = {k: v * 2 for k, v in TRUE.items()}  # the engine at half speed
     feed(model, rng, 150, **slow)
     after = model.predict_tpot(10, 0.0).mean
     assert after == pytest.approx(2 * before, rel=0.1)
-    model.prefill_per_step = 0.0
+    model.prefill_per_token = 0.0
     assert knee_before in (25, 26, 27)
     assert model.knee(0.15) in (7, 8, 9)  # 88 + 8 b <= 150 -> 7.75
 
@@ -85,9 +85,9 @@ def test_bounded_under_outliers_zero_and_negative_samples() -> None:
     good = model.params()
     for _ in range(30):
         # a few absurd samples (a stalled engine, a clock jump), zeros, negatives, NaN
-        assert model.observe_tpot(50.0, 5, 0) is True
-        assert model.observe_tpot(0.0, 5, 0) is False
-        assert model.observe_tpot(-1.0, 5, 0) is False
+        assert model.observe_tpot(50.0, 5, 0, 100) is True
+        assert model.observe_tpot(0.0, 5, 0, 100) is False
+        assert model.observe_tpot(-1.0, 5, 0, 100) is False
         assert model.observe_ttft(float("nan"), 5, 0) is False
         assert model.observe_ttft(1.0, float("inf"), 0) is False
         feed(model, rng, 5, **TRUE)
@@ -120,7 +120,7 @@ def test_prior_is_used_until_samples_arrive_and_not_trusted() -> None:
 def fitted(noise: float = 0.0) -> LatencyModel:
     model = LatencyModel(forgetting=0.995)
     feed(model, random.Random(4), 400, noise=noise, **TRUE)
-    model.prefill_per_step = 0.0
+    model.prefill_per_token = 0.0
     return model
 
 
@@ -269,8 +269,9 @@ def test_ledger_learns_batch_and_prefill_from_flights() -> None:
     eng.finished(a, completion_tokens=11, cached_tokens=0)
     assert eng.in_flight == 1 and eng.decoding == 1
     assert eng.model.tpot.samples == 1 and eng.model.ttft.samples == 1
-    # a decoded 1.1 s with 2 in flight throughout; b's 50 tokens prefilled meanwhile
-    assert eng.model.prefill_per_step == pytest.approx(0.1 * 50 / 10)
+    # no engine counters: the turnover ratio comes from the requests seen to end
+    assert eng.model.prefill_per_token == pytest.approx(100 / 11)
+    assert eng.model.request_steps == 10
     eng.finished(b, ok=False)
     assert eng.in_flight == 0 and eng.decoding == 0 and eng.pending_prefill_tokens == 0
     assert len(eng.drain_errors()) == 1 and eng.drain_errors() == []
@@ -287,9 +288,10 @@ def test_interval_observations_from_the_engines_histograms() -> None:
                        prompt_tokens=1500, cached_tokens=300)
     obs = interval_observations(a, b)
     assert obs.tpot is not None and obs.ttft is not None
-    itl, load, per_step = obs.tpot
-    assert itl == pytest.approx(0.05) and load == 7
+    itl, load, per_step, steps = obs.tpot
+    assert itl == pytest.approx(0.05) and load == 7 and steps == pytest.approx(20)
     assert per_step == pytest.approx(400 / 20)  # 1 s / 50 ms = 20 steps
+    assert obs.turnover is None  # no generation counter
     assert obs.ttft == pytest.approx((0.3, 150.0, 6.0))
     # an engine restart (counters fell), no time, too few tokens: nothing
     assert interval_observations(b, a) == interval_observations(a, a)
@@ -300,6 +302,66 @@ def test_interval_observations_from_the_engines_histograms() -> None:
     d = EngineCounters(at=13.0, load=8, running=7, itl_sum_s=3.6, itl_count=72)
     assert interval_observations(c, d).tpot is not None
     assert interval_observations(c, d).ttft is None
+
+
+def test_interval_uncached_tokens_come_from_the_prefix_cache_counters() -> None:
+    """A 1,000-token prompt of which 900 are cached: vLLM counts the lookup (queries
+    and hits) when it schedules the request, the prompt tokens at its first token,
+    which here falls in the next interval."""
+    a = EngineCounters(at=0.0, load=1, running=1, itl_sum_s=0.0, itl_count=0,
+                       prompt_tokens=0, cached_tokens=0, queried_tokens=0, generated_tokens=0)
+    b = dataclasses.replace(a, at=0.25, itl_sum_s=0.25, itl_count=5, cached_tokens=900,
+                            queried_tokens=1000, generated_tokens=5)
+    c = dataclasses.replace(b, at=0.5, itl_sum_s=0.5, itl_count=10, prompt_tokens=1000,
+                            generated_tokens=10)
+    first, second = interval_observations(a, b), interval_observations(b, c)
+    assert first.turnover == (100.0, 5.0) and second.turnover == (0.0, 5.0)
+    assert first.tpot is not None and second.tpot is not None
+    assert first.tpot[2] == pytest.approx(100 / 5) and second.tpot[2] == 0.0
+    # without the queries counter: the prompt counter less the hits, clipped at zero
+    # per interval, would count the cached 900 as computed
+    old = [dataclasses.replace(x, queried_tokens=None) for x in (a, b, c)]
+    assert interval_observations(old[1], old[2]).turnover == (1000.0, 5.0)
+
+
+def test_turnover_ratio_sets_the_prefill_interference_of_a_batch() -> None:
+    model = fitted()
+    model.observe_turnover(300, 100, at=0.0)  # 3 uncached prompt tokens per output token
+    assert model.prefill_per_token == pytest.approx(3.0)
+    # a batch of 8 decodes beside 3 x 8 prefill tokens per step
+    assert model.predict_tpot(8).mean == pytest.approx(model.predict_tpot(8, 24.0).mean)
+    assert model.predict_tpot(8).mean > model.predict_tpot(8, 0.0).mean
+    # 10 s (one time constant) later, a span with no prefill
+    model = fitted()
+    model.turnover_tau_s = 10.0
+    model.observe_turnover(300, 100, at=0.0)
+    model.observe_turnover(0, 100, at=10.0)
+    w = math.exp(-1)
+    assert model.prefill_per_token == pytest.approx(300 * w / (100 * w + 100))
+    model.observe_turnover(-5, 10, at=11.0)  # ignored
+    assert model.prefill_per_token == pytest.approx(300 * w / (100 * w + 100))
+
+
+def test_weighted_samples_estimate_the_noise_of_a_unit_weight_one() -> None:
+    """Three metrics intervals of a few steps (weight 0.03, 33 times the variance)
+    per request-length sample (weight 1): the noise estimate is the request's."""
+    rng = random.Random(6)
+    rls = RecursiveLeastSquares([0.05], [0.05], 0.01, forgetting=0.999, noise_alpha=0.01)
+    for i in range(4000):
+        w = 0.03 if i % 4 else 1.0
+        assert rls.update([1.0], 0.5 + rng.gauss(0, 0.005 / math.sqrt(w)), w)
+    assert math.sqrt(rls.noise_var) == pytest.approx(0.005, rel=0.2)
+    assert rls.theta[0] == pytest.approx(0.5, abs=0.002)
+    assert not rls.update([1.0], 0.5, 0.0)
+
+
+def test_request_steps_come_from_requests_only() -> None:
+    model = LatencyModel()
+    assert model.observe_tpot(0.05, 4, 0.0, 100)
+    assert model.observe_tpot(0.05, 4, 0.0, 3, request=False)
+    assert model.request_steps == 100
+    assert model.observe_tpot(0.05, 4, 0.0, 200)
+    assert model.request_steps == pytest.approx(110)
 
 
 def test_scrapes_alone_fit_the_model() -> None:

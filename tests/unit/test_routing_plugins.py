@@ -52,9 +52,20 @@ def test_registry_names() -> None:
         assert "Source" in (cls.__doc__ or ""), cls
 
 
-def test_engine_load_takes_the_larger_view() -> None:
-    assert engine_load(eng("a", in_flight=3, running=1, waiting=1)) == 3
-    assert engine_load(eng("a", in_flight=1, running=4, waiting=2)) == 6
+def test_engine_load_adds_other_clients_to_the_gateways_own() -> None:
+    own = eng("a", in_flight=3, running=2, waiting=1)
+    own.in_flight_at_metrics = 3  # the report holds only this gateway's requests
+    assert engine_load(own) == 3
+    own.in_flight = 2  # one of them finished since: no stale slot held
+    assert engine_load(own) == 2
+    shared = eng("a", in_flight=1, running=4, waiting=2)
+    shared.in_flight_at_metrics = 1  # five of the six are another replica's
+    assert engine_load(shared) == 6
+    shared.in_flight = 3
+    assert engine_load(shared) == 8
+    early = eng("a", in_flight=3, running=1, waiting=0)
+    early.in_flight_at_metrics = 3  # sent, not yet seen by the engine
+    assert engine_load(early) == 3
     assert engine_load(Engine(id="x", model="m", base_url="x")) == 0
 
 
