@@ -83,15 +83,19 @@ class SimEventPublisher:
         self.pub = self.context.socket(zmq.PUB)
         self.pub.set_hwm(cfg.hwm)
         self.pub.setsockopt(zmq.LINGER, 0)
-        if _binds(cfg.endpoint):
-            self.pub.bind(cfg.endpoint)
-        else:
-            self.pub.connect(cfg.endpoint)
         self.replay: zmq.asyncio.Socket | None = None
-        if cfg.replay_endpoint:
-            self.replay = self.context.socket(zmq.ROUTER)
-            self.replay.setsockopt(zmq.LINGER, 0)
-            self.replay.bind(cfg.replay_endpoint)
+        try:
+            if _binds(cfg.endpoint):
+                self.pub.bind(cfg.endpoint)
+            else:
+                self.pub.connect(cfg.endpoint)
+            if cfg.replay_endpoint:
+                self.replay = self.context.socket(zmq.ROUTER)
+                self.replay.setsockopt(zmq.LINGER, 0)
+                self.replay.bind(cfg.replay_endpoint)
+        except zmq.ZMQError:  # a port taken: leave no socket bound behind
+            self.close()
+            raise
 
     @property
     def next_seq(self) -> int:

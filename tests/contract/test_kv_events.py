@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -89,7 +90,16 @@ class Harness:
             enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{self.pub_port}",
             replay_endpoint=f"tcp://127.0.0.1:{self.replay_port}" if self.replay else None,
             topic="kv@e0")
-        self.publisher = SimEventPublisher(cfg, self.ctx)
+        for attempt in range(100):
+            try:
+                self.publisher = SimEventPublisher(cfg, self.ctx)
+                break
+            except zmq.ZMQError as e:
+                # a restart: ZeroMQ's I/O thread releases the previous publisher's ports
+                # asynchronously after close(), and no event says when
+                if e.errno != zmq.EADDRINUSE or attempt == 99:
+                    raise
+                time.sleep(0.01)
         self._tasks.append(asyncio.create_task(self.publisher.serve_replay()))
         return self.publisher
 
@@ -121,7 +131,7 @@ async def harness() -> AsyncIterator[Harness]:
         t.cancel()
     if h.publisher is not None:
         h.publisher.close()
-    h.ctx.term()
+    h.ctx.destroy(linger=0)  # a failed test may leave a socket open: term() would wait
 
 
 async def test_ordered_batches(harness: Harness):
@@ -225,4 +235,4 @@ async def test_loss_without_replay_socket_stays_unsynced_for_resync_s():
         with contextlib.suppress(asyncio.CancelledError):
             await task
         h.stop_publisher()
-        h.ctx.term()
+        h.ctx.destroy(linger=0)
