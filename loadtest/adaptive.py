@@ -29,12 +29,13 @@ TPOT ≤ 100 ms; rejections count as misses).
    within 25 % (at least ±1) of its value over the last 40 % of the phase and the
    interactive attainment of 5 s windows stays within 0.1 of the phase's last 40 %;
    ``worst_window_attainment`` is the lowest interactive attainment of 10 s windows.
-Each gateway run's summary has ``shed_reasons``: the gateway's rejections by
-``band:reason`` (its ``sluice_rejected_total``), e.g. ``interactive:overloaded:predicted_miss``.
-
 4. **prediction** — ``|TTFT̂ − TTFT| / TTFT`` over the adaptive runs' served
    streamed requests, with TTFT̂ from ``x-sluice-ttft-predicted-ms`` and TTFT
    measured by the client less the gateway queue wait (``x-sluice-queue-ms``).
+
+Each gateway run's summary has ``shed_reasons``: the gateway's rejections by
+``band:reason`` (its ``sluice_rejected_total``), e.g.
+``interactive:overloaded:predicted_miss``.
 
 Each fresh adaptive gateway first serves ``--warmup-s`` of unmeasured 1× traffic: the
 benchmark measures a gateway that has learned its engines, as a deployed one has (the
@@ -66,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.launch import gateway
 from loadtest.overload import (
@@ -168,13 +170,11 @@ async def rejections(session: aiohttp.ClientSession, gateway_url: str) -> Counte
     async with session.get(gateway_url + "/metrics") as r:
         text = await r.text()
     out: Counter[str] = Counter()
-    for line in text.splitlines():
-        if line.startswith("sluice_rejected_total{"):
-            labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:
-                                                           line.index("}")].split(","))
-            tenant, reason = labels["tenant"].strip('"'), labels["reason"].strip('"')
-            if tenant in PRIORITY_OF:
-                out[f"{PRIORITY_OF[tenant]}:{reason}"] += int(float(line.rsplit(" ", 1)[1]))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            tenant = sample.labels.get("tenant")
+            if sample.name == "sluice_rejected_total" and tenant in PRIORITY_OF:
+                out[f"{PRIORITY_OF[tenant]}:{sample.labels['reason']}"] += int(sample.value)
     return out
 
 

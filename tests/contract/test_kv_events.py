@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import msgspec
 import pytest
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from engines.blocks import chain_block_hashes
 from engines.kv_events import (
@@ -90,24 +90,24 @@ class Harness:
             enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{self.pub_port}",
             replay_endpoint=f"tcp://127.0.0.1:{self.replay_port}" if self.replay else None,
             topic="kv@e0")
-        for attempt in range(100):
-            try:
-                self.publisher = SimEventPublisher(cfg, self.ctx)
-                break
-            except zmq.ZMQError as e:
-                # a restart: ZeroMQ's I/O thread releases the previous publisher's ports
-                # asynchronously after close(), and no event says when
-                if e.errno != zmq.EADDRINUSE or attempt == 99:
-                    raise
-                time.sleep(0.01)
+        self.publisher = SimEventPublisher(cfg, self.ctx)
         self._tasks.append(asyncio.create_task(self.publisher.serve_replay()))
         return self.publisher
 
-    def stop_publisher(self) -> None:
+    async def stop_publisher(self) -> None:
+        """Close the publisher and wait until ZeroMQ's I/O thread has released its
+        ports (its monitor's ``EVENT_CLOSED``), so that a restart can bind them."""
         assert self.publisher is not None
         self._tasks.pop().cancel()
+        bound = [s for s in (self.publisher.pub, self.publisher.replay) if s is not None]
+        monitors = [s.get_monitor_socket(zmq.EVENT_CLOSED) for s in bound]
         self.publisher.close()
         self.publisher = None
+        async with asyncio.timeout(10):
+            for monitor in monitors:
+                while (await recv_monitor_message(monitor))["event"] != zmq.EVENT_CLOSED:
+                    pass
+                monitor.close(linger=0)
 
     async def until(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
         async with asyncio.timeout(timeout_s):
@@ -157,8 +157,8 @@ class DropOne:
             return self.sock.send_multipart(frames, flags=flags)
         return None
 
-    def close(self, linger=None):
-        self.sock.close(linger=linger)
+    def __getattr__(self, name: str):  # close, get_monitor_socket: the socket's
+        return getattr(self.sock, name)
 
 
 async def test_dropped_batch_is_recovered_from_replay(harness: Harness):
@@ -180,7 +180,7 @@ async def test_engine_restart_clears_and_resyncs(harness: Harness):
     pub.publish([stored([b"a", b"b", b"c"], 0)])
     await harness.until(lambda: harness.sub.batches == 1)
     assert harness.match() == 3
-    harness.stop_publisher()
+    await harness.stop_publisher()
     await harness.until(lambda: not harness.sub.synced)  # disconnect seen
     pub = harness.start_publisher()  # a new process: seq from 0, empty cache
     pub.publish([stored([b"x"], 0)])
@@ -199,7 +199,7 @@ async def test_publisher_that_dies_falls_back_to_approximate(harness: Harness):
     assert harness.match() == 6  # synced: the engine's report or a route just made
     harness.clock.advance(60.0)  # the route prediction has expired; routing history has not
     assert harness.match() == 1
-    harness.stop_publisher()
+    await harness.stop_publisher()
     await harness.until(lambda: not harness.sub.synced)
     assert harness.match() == 6  # the approximate index answers
     assert not harness.sub.connected
@@ -234,5 +234,5 @@ async def test_loss_without_replay_socket_stays_unsynced_for_resync_s():
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        h.stop_publisher()
+        await h.stop_publisher()
         h.ctx.destroy(linger=0)
