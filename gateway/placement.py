@@ -230,13 +230,18 @@ class Placer:
             if not lat.best_effort(target.tpot_s):
                 best = min(best, lat.model.predict_ttft(self.uncached(e, need.sched, now),
                                                         lat.decoding).upper(z))
-        band = PRIORITIES.index(priority)
         demand = self.band_demand(model)
-        urgent = demand.urgent_reserve(priority) / max(1, len(ready))
-        # the long-run occupancy, shared among the engines as their knees are
+        # the knees and free places of the engines with a learned limit for this band
         knees = {e.id: k for e in ready if e.latency is not None
                  and (k := e.latency.limit(target.tpot_s)) is not None}
-        per_knee = demand.total_occupancy() / max(1, sum(knees.values()))
+        free = {e.id: max(0, knees[e.id] - max(e.latency.in_flight, engine_load(e)))
+                for e in ready if e.id in knees and e.latency is not None}
+        ttft_targets = {b: self.slo.target(b).ttft_s for b in PRIORITIES}
+        keep = demand.urgent_free(priority, sum(knees.values()), ttft_targets)
+        total_free = sum(free.values())
+        # the long-run occupancy of this band and the more urgent ones (the others
+        # yield to them), shared among the engines as their knees are
+        per_knee = demand.occupancy_through(priority) / max(1, sum(knees.values()))
         within, best_effort = [], []
         for e in engines:
             if e.latency is None:
@@ -244,7 +249,7 @@ class Placer:
                 continue
             verdict = e.latency.decide(
                 self.uncached(e, need.sched, now), budget, target.tpot_s, engine_load(e),
-                max(0.0, urgent - e.latency.urgent_in_flight(band)),
+                max(0, keep - (total_free - free.get(e.id, 0))),
                 per_knee * knees.get(e.id, 0))
             if verdict.admit:
                 (best_effort if verdict.best_effort else within).append(e)
@@ -296,8 +301,9 @@ class Placer:
         flight, engine = placement.flight, placement.engine
         assert flight is not None and engine.latency is not None
         engine.latency.finished(flight, ok=False)  # no-op if already finished
-        self.band_demand(engine.model).served(PRIORITIES[flight.band],
-                                         self.clock.now() - flight.sent_at)
+        self.band_demand(engine.model).served(
+            PRIORITIES[flight.band], self.clock.now() - flight.sent_at,
+            None if flight.first_at is None else flight.first_at - flight.sent_at)
 
     def _place_split(self, need: Need, candidates: list[Engine], now: float) -> Placement | None:
         """The disaggregation choice among ``candidates`` (decode side) and the

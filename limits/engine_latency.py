@@ -18,22 +18,22 @@ The decision (:func:`decide`, pure): an engine takes a request when
    urgent bands (below) — plus ``z`` σ, stays within the tightest TPOT target among
    the requests already running there and the request's own; an engine with nothing
    in flight always qualifies. A burst above that knee passes too when the long-run
-   load is below it: when the engine's expected occupancy by Little's law (all
-   bands, ``sustained``, which includes the urgent bands' mean) plus one meets the
-   rule, and TPOT̂ (mean) at one more request in flight now, plus the reserve, meets
-   the target. A request's TPOT is the
-   average over its decode of a batch that returns to the sustained level, so a
-   burst the engines would batch within their SLO is not held at the gateway; under
+   load is below it: when the engine's expected occupancy by Little's law
+   (``sustained``: the request's band and the more urgent ones, which the others
+   yield to; the arrivals counted there include this request) meets the rule, and
+   TPOT̂ (mean) at one more request in flight now meets the target. A request's TPOT
+   is the average over its decode of a batch that returns to the sustained level,
+   so a burst the engines would batch within their SLO is not held at the gateway;
+   the urgent bands burst in the same way, so no room is kept for them here. Under
    sustained overload the occupancy exceeds the knee and the margin applies.
 
-Room for more urgent bands: by Little's law a band occupies on average ``λ × S``
-requests in service (its arrival rate times its mean time on an engine); a request
-of a less urgent band leaves room for the engine's share of that occupancy, plus a
-square-root margin for its fluctuation, that the urgent bands do not hold there yet
-(:meth:`BandDemand.urgent_reserve`). Under overload the urgent bands thus
-find a free place on arrival instead of waiting for a whole generation to end (the
-queue already serves them first), and at light load the reserve is what they use
-anyway. This replaces a configured ``interactive_reserve``.
+Room for more urgent bands (``reserve``): under overload a request of a less urgent
+band takes a place only while the fleet keeps enough places free for the urgent bands
+that one of their requests rarely waits for a place past its slack
+(:meth:`BandDemand.urgent_free`, an M/M/1 waiting-time tail); the engine's share of
+that is what the fleet's other free places do not cover. The queue already serves
+the urgent bands first; this keeps them from waiting for a whole generation to end.
+This replaces a configured ``interactive_reserve``.
 
 The concurrency limit this implies (:meth:`EngineLatency.limit`) is the knee: the
 largest batch whose TPOT̂ meets the tightest target. While the model is not trusted
@@ -145,67 +145,120 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
     tpot = model.predict_tpot(in_flight + 1 + reserve)
     ok = tpot.upper(z) <= target
     if not ok and sustained is not None:  # a burst over a load the knee holds
-        ok = (model.predict_tpot(sustained + 1).upper(z) <= target
-              and model.predict_tpot(in_flight + 1 + reserve).mean <= target)
+        ok = (model.predict_tpot(max(1.0, sustained)).upper(z) <= target
+              and model.predict_tpot(in_flight + 1).mean <= target)
     return Verdict(ok, ttft, tpot, None if ok else "tpot")
+
+
+#: Probability, at most, that a request of an urgent band waits for a place past its
+#: slack (:meth:`BandDemand.urgent_free`): one in a hundred.
+URGENT_MISS = 0.01
 
 
 class BandDemand:
     """Expected requests in service per priority band, from Little's law
     (``L = λ × S``; Little, Operations Research 1961): ``λ`` an EWMA arrival rate
     (:class:`~limits.drain_rate.DrainRate`) and ``S`` an EWMA of the time a request
-    of the band holds an engine.
+    of the band holds an engine; and the places to keep free for the urgent bands
+    (:meth:`urgent_free`).
 
     Args:
         clock: monotonic time, s.
         bands: band names, most urgent first.
         tau_s: time constant of the arrival rates, s (default 10).
-        alpha: EWMA weight of a new service time (default 0.1).
-        beta: the square-root staffing margin of :meth:`urgent_reserve` (default 1).
+        fast_tau_s: time constant of a second, faster estimate of each rate, s
+            (default 2.5); :meth:`urgent_free` takes the larger of the two, so the
+            places for an urgent band open within seconds of its surge.
+        alpha: EWMA weight of a new service time or TTFT (default 0.1).
     """
 
     def __init__(self, clock: Clock, bands: Sequence[str], *, tau_s: float = 10.0,
-                 alpha: float = 0.1, beta: float = 1.0) -> None:
-        self.beta = beta
+                 fast_tau_s: float = 2.5, alpha: float = 0.1) -> None:
         self.clock = clock
         self.bands = list(bands)
         self._rate = {b: DrainRate(tau_s) for b in self.bands}
+        self._fast = {b: DrainRate(fast_tau_s) for b in self.bands}
         self._service = dict.fromkeys(self.bands, 0.0)
+        self._ttft = dict.fromkeys(self.bands, 0.0)
         self._alpha = alpha
 
     def arrived(self, band: str) -> None:
         """A request of ``band`` arrived (whatever becomes of it)."""
-        self._rate[band].add(self.clock.now())
+        now = self.clock.now()
+        self._rate[band].add(now)
+        self._fast[band].add(now)
 
-    def served(self, band: str, seconds: float) -> None:
-        """A request of ``band`` held an engine for ``seconds``."""
-        s = self._service[band]
-        self._service[band] = seconds if s == 0 else s + self._alpha * (seconds - s)
+    def _ewma(self, table: dict[str, float], band: str, value: float) -> None:
+        old = table[band]
+        table[band] = value if old == 0 else old + self._alpha * (value - old)
+
+    def served(self, band: str, seconds: float, ttft_s: float | None = None) -> None:
+        """A request of ``band`` held an engine for ``seconds``; ``ttft_s``: the time
+        from its send to its first token there (None: it had none)."""
+        self._ewma(self._service, band, seconds)
+        if ttft_s is not None:
+            self._ewma(self._ttft, band, ttft_s)
 
     def rate(self, band: str) -> float:
         """Arrivals of ``band`` per second."""
         return self._rate[band].rate(self.clock.now())
 
-    def occupancy(self, band: str) -> float:
-        """``λ × S`` of ``band``: requests of it in service on average."""
-        return self._rate[band].rate(self.clock.now()) * self._service[band]
+    def occupancy(self, band: str, *, fast: bool = False) -> float:
+        """``λ × S`` of ``band``: requests of it in service on average; ``fast``: with
+        the larger of the slow and fast rate estimates (a surge reads within
+        seconds)."""
+        now = self.clock.now()
+        rate = self._rate[band].rate(now)
+        if fast:
+            rate = max(rate, self._fast[band].rate(now))
+        return rate * self._service[band]
 
     def total_occupancy(self) -> float:
         """Summed occupancy of every band: requests in service on average."""
         return sum(self.occupancy(b) for b in self.bands)
 
-    def urgent_occupancy(self, band: str) -> float:
-        """Summed occupancy of the bands more urgent than ``band``."""
-        return sum(self.occupancy(b) for b in self.bands[:self.bands.index(band)])
+    def occupancy_through(self, band: str) -> float:
+        """Summed occupancy of ``band`` and the bands more urgent: what will hold the
+        engines in the long run when the less urgent bands yield to them
+        (:meth:`urgent_free`)."""
+        return sum(self.occupancy(b, fast=True) for b in self.bands[:self.bands.index(band) + 1])
 
-    def urgent_reserve(self, band: str) -> float:
-        """Places to keep for the bands more urgent than ``band``, fleet-wide: their
-        occupancy ``R`` plus ``beta × √R`` for its Poisson fluctuation — the
-        square-root staffing rule (Halfin & Whitt, Operations Research 1981), under
-        which an arriving urgent request rarely finds every place taken (β = 1: about
-        one in five waits, briefly, in the many-server limit)."""
-        r = self.urgent_occupancy(band)
-        return r + self.beta * math.sqrt(r)
+    def urgent_free(self, band: str, places: float, ttft_targets: dict[str, float],
+                    miss: float = URGENT_MISS) -> int:
+        """Places to keep free, fleet-wide, for the bands more urgent than ``band``
+        so that an urgent request waits for one past its slack with probability at
+        most ``miss``.
+
+        While requests of ``band`` fill every other place, the urgent requests (rate
+        ``λ``, the larger of the slow and fast estimates, summed over the urgent
+        bands) take the ``k`` kept free, and departures (rate ``μ = places / S̄``,
+        ``S̄ = L / Λ`` the mean time on an engine over all bands) give them back. The
+        places used and the urgent requests waiting then form the birth–death chain
+        of an M/M/1 queue started ``k`` deep, so an urgent request waits longer than
+        ``s`` with probability ``r^k e^{−(μ−λ)s}``, ``r = λ / μ`` (the M/M/1
+        waiting-time tail, Kleinrock, Queueing Systems vol. 1, 1975, §3.2, shifted by
+        ``k``). ``k`` is the smallest with that at most ``miss``; ``s`` the smallest
+        slack of the urgent bands, their TTFT target (``ttft_targets``, s) less
+        their mean TTFT on an engine.
+
+        Returns 0 for the most urgent band or before any urgent arrival or finished
+        request, ``ceil(places)`` when the urgent bands alone would fill them
+        (``r ≥ 1``).
+        """
+        urgent = self.bands[:self.bands.index(band)]
+        now = self.clock.now()
+        lam = sum(max(self._rate[b].rate(now), self._fast[b].rate(now)) for b in urgent)
+        total = sum(self._rate[b].rate(now) for b in self.bands)
+        occupancy = self.total_occupancy()
+        if lam <= 0 or occupancy <= 0 or places <= 0:
+            return 0
+        mu = places * total / occupancy
+        r = lam / mu
+        if r >= 1:
+            return math.ceil(places)
+        slack = min(max(0.0, ttft_targets[b] - self._ttft[b]) for b in urgent)
+        k = (math.log(miss) + (mu - lam) * slack) / math.log(r)
+        return min(math.ceil(places), max(0, math.ceil(k)))
 
 
 @dataclass(frozen=True)
@@ -414,10 +467,6 @@ class EngineLatency:
         """TTFT̂ of a request of ``uncached_tokens`` sent now, s."""
         return self.model.predict_ttft(self.pending_prefill_tokens + uncached_tokens,
                                        self.decoding)
-
-    def urgent_in_flight(self, band: int) -> int:
-        """Requests in flight of bands more urgent than ``band``."""
-        return sum(1 for f in self.flights if f.band < band)
 
     def decide(self, uncached_tokens: int, ttft_budget_s: float, tpot_target_s: float,
                reported_load: int = 0, reserve: float = 0.0,

@@ -46,8 +46,11 @@ Settings that differ from the shipped defaults, printed in the report's
 100 ms), since the benchmark scores every request against it; engines report
 ``prompt_tokens_details`` (``--enable-prompt-tokens-details``, as a vLLM deployment
 would be run) so the model sees cached tokens; the static gateway's
-``max_in_flight``/``interactive_reserve``/``adaptive.enabled: false`` (it is the
-comparison, not the product).
+``max_in_flight``/``interactive_reserve``/``adaptive.enabled: false`` and its tenants'
+``max_queue_wait_s`` (``--interactive-wait`` etc., hand-tuned for it; it is the
+comparison, not the product). The adaptive gateways' tenants set no
+``max_queue_wait_s`` (the shipped default): their queue deadline is the band's TTFT
+target (``predicted_miss``).
 """
 
 from __future__ import annotations
@@ -275,7 +278,8 @@ async def homogeneous(session: aiohttp.ClientSession, args: argparse.Namespace,
                  for k in (1, 2, 3)}
         gw_extra = {"slo": BENCH_SLO}
         cfg = write_gateway_config(out_dir / "homogeneous-adaptive", engines.urls, args,
-                                   _adaptive_cfg(), gw_extra)
+                                   _adaptive_cfg(), gw_extra,
+                                   queue_waits=False)
         with gateway(cfg, log_path=out_dir / "homogeneous-adaptive.log", ready_timeout_s=60) as gw:
             # one unmeasured 1x pass first, as a running gateway would have seen traffic
             await level(session, engines, [gw.url],
@@ -326,7 +330,8 @@ async def heterogeneous(session: aiohttp.ClientSession, args: argparse.Namespace
         specs = workload(3 * capacity, args.duration, args, seed=args.seed + 33)
         gw_extra = {"slo": BENCH_SLO}
         cfg = write_gateway_config(out_dir / "heterogeneous-adaptive", engines.urls, args,
-                                   _adaptive_cfg(), gw_extra)
+                                   _adaptive_cfg(), gw_extra,
+                                   queue_waits=False)
         with gateway(cfg, log_path=out_dir / "heterogeneous-adaptive.log",
                      ready_timeout_s=60) as gw:
             # one 1x pass first, as a running gateway would have seen traffic before
@@ -405,7 +410,7 @@ async def shift(session: aiohttp.ClientSession, args: argparse.Namespace, out_di
         specs = shift_workload(args.shift_load * capacity, phase, args.seed + 50,
                                args.max_output_tokens)
         cfg = write_gateway_config(out_dir / "shift", engines.urls, args, _adaptive_cfg(),
-                                   {"slo": BENCH_SLO})
+                                   {"slo": BENCH_SLO}, queue_waits=False)
         with gateway(cfg, log_path=out_dir / "shift.log", ready_timeout_s=60) as gw:
             sampler = LimitSampler(session, gw.url)
             sampler.start()
@@ -486,7 +491,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "engines --enable-prompt-tokens-details": "usage reports cached tokens, as a "
                                                       "vLLM deployment would be run",
             "static_tuned": "max_in_flight = the probe's best batch, interactive_reserve, "
-                            "adaptive.enabled false: the comparison, not the product",
+                            "adaptive.enabled false, the tenants' max_queue_wait_s "
+                            "(--interactive-wait etc.): the comparison, not the product",
             "warm-up": "each fresh adaptive gateway first gets --warmup-s of unmeasured 1x "
                        "traffic (a deployed gateway has learned its engines already)",
         }}}

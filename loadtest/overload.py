@@ -156,11 +156,13 @@ class Engines:
 
 def write_gateway_config(directory: Path, engine_urls: list[str], args: argparse.Namespace,
                          saturation: dict[str, Any], gateway_extra: dict[str, Any] | None = None,
-                         dialects: list[str] | None = None) -> Path:
+                         dialects: list[str] | None = None, *, queue_waits: bool = True) -> Path:
     """gateway.yaml / engines.yaml / tenants.yaml for the run (cache off: the
     workload's prompts are unique, and the comparison is about admission), with
     ``saturation`` as engines.yaml's section and ``gateway_extra`` merged into
-    gateway.yaml; ``dialects``: each engine's (default vLLM's)."""
+    gateway.yaml; ``dialects``: each engine's (default vLLM's); ``queue_waits``: the
+    tenants' ``max_queue_wait_s`` from ``--interactive-wait`` etc. (False: none, the
+    shipped default, where adaptive admission sheds on the SLO instead)."""
     dialects = dialects or ["vllm"] * len(engine_urls)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "gateway.yaml").write_text(yaml.safe_dump({
@@ -182,7 +184,8 @@ def write_gateway_config(directory: Path, engine_urls: list[str], args: argparse
              "batch": args.batch_wait}
     (directory / "tenants.yaml").write_text(yaml.safe_dump({"tenants": [
         {"name": name, "api_key_hashes": [hash_key(KEY_OF[name])], "priority": prio,
-         "max_queue_wait_s": waits[prio]} for name, prio in PRIORITY_OF.items()]}))
+         **({"max_queue_wait_s": waits[prio]} if queue_waits else {})}
+        for name, prio in PRIORITY_OF.items()]}))
     return directory
 
 

@@ -11,6 +11,7 @@ import pytest
 
 import config.schema  # noqa: F401 - first: engines.interfaces alone hits an import cycle
 from limits.engine_latency import (
+    BandDemand,
     EngineCounters,
     EngineLatency,
     IntervalObservations,
@@ -459,30 +460,64 @@ def test_decide_lets_a_burst_pass_while_the_long_run_load_is_under_the_knee() ->
     assert decide(model, sustained=6.0, **base).admit  # a burst over 6 in service
     assert not decide(model, sustained=12.0, **base).admit  # sustained overload
     assert not decide(model, sustained=6.0, **{**base, "in_flight": 14}).admit  # mean misses
-    assert not decide(model, sustained=6.0, reserve=8.0, **base).admit  # no room for urgent
-    assert decide(model, sustained=6.0, reserve=1.0, **base).admit  # TPOT̂(13) = 96 ms
+    # the long run leaves room, so the urgent bands burst in too: no reserve here
+    assert decide(model, sustained=6.0, reserve=8.0, **base).admit
+    # the occupancy by Little's law already counts this request among the arrivals
+    knee = model.knee(0.1, 2.0)
+    assert decide(model, sustained=float(knee), **base).admit
+    assert not decide(model, sustained=knee + 1.0, **base).admit
 
 
-def test_band_demand_is_arrival_rate_times_service_time() -> None:
-    from limits.engine_latency import BandDemand
-
-    clock = FakeClock()
-    d = BandDemand(clock, ("interactive", "standard", "batch"), tau_s=10.0)
-    for _ in range(200):  # 2 interactive and 1 standard request per second
+def _steady_demand(clock: FakeClock, **kw: float) -> BandDemand:
+    """2 interactive and 1 standard request per second for 100 s; interactive holds
+    an engine 4 s (0.2 s to its first token), standard 2 s."""
+    d = BandDemand(clock, ("interactive", "standard", "batch"), tau_s=10.0, **kw)
+    for _ in range(200):
         clock.t += 0.5
         d.arrived("interactive")
         if int(clock.t * 2) % 2 == 0:
             d.arrived("standard")
-        d.served("interactive", 4.0)
-        d.served("standard", 2.0)
+        d.served("interactive", 4.0, 0.2)
+        d.served("standard", 2.0, 0.5)
+    return d
+
+
+def test_band_demand_is_arrival_rate_times_service_time() -> None:
+    clock = FakeClock()
+    d = _steady_demand(clock)
     assert d.occupancy("interactive") == pytest.approx(8.0, rel=0.1)
     assert d.occupancy("standard") == pytest.approx(2.0, rel=0.1)
-    assert d.urgent_occupancy("interactive") == 0
-    assert d.urgent_occupancy("batch") == pytest.approx(10.0, rel=0.1)
-    assert d.urgent_reserve("batch") == pytest.approx(10.0 + 10.0 ** 0.5, rel=0.1)
-    assert d.urgent_reserve("interactive") == 0
     assert d.total_occupancy() == pytest.approx(10.0, rel=0.1)  # batch had none
-    eng = EngineLatency(LatencyModel(), clock)
-    eng.sent(10, 10, 0.1, band=0)
-    eng.sent(10, 10, 0.1, band=2)
-    assert eng.urgent_in_flight(2) == 1 and eng.urgent_in_flight(0) == 0
+
+
+def test_urgent_free_places_follow_the_m_m_1_tail() -> None:
+    clock = FakeClock()
+    d = _steady_demand(clock, fast_tau_s=10.0)  # one rate estimate: exact arithmetic
+    targets = {"interactive": 1.0, "standard": 2.0, "batch": 10.0}
+    # 20 places, S̄ = 10 / 3 s: μ = 6 departures/s; interactive λ = 2, r = 1/3,
+    # slack 1 − 0.2 = 0.8 s: k ≥ (ln 0.01 + 4 × 0.8) / ln(1/3) = 1.3
+    assert d.urgent_free("standard", 20, targets) == 2
+    # batch keeps room for both: λ = 3, r = 1/2, slack min(0.8, 1.5) = 0.8 s:
+    # (ln 0.01 + 3 × 0.8) / ln 0.5 = 3.2
+    assert d.urgent_free("batch", 20, targets) == 4
+    assert d.urgent_free("interactive", 20, targets) == 0  # nothing more urgent
+    # fewer places drain more slowly: 16 places, μ = 4.8, r = 0.42: 2.8
+    assert d.urgent_free("standard", 16, targets) == 3
+    assert d.urgent_free("standard", 10, targets) == 10  # r = 0.67: 10.1, all of them
+    assert d.urgent_free("standard", 6, targets) == 6  # r = 1.1: urgent fills them all
+    # a longer slack needs fewer: a 2 s interactive target, 1.8 s slack
+    assert d.urgent_free("standard", 20, {**targets, "interactive": 2.0}) == 0
+
+
+def test_urgent_free_reads_a_surge_within_seconds() -> None:
+    clock = FakeClock()
+    d = _steady_demand(clock)
+    targets = {"interactive": 1.0, "standard": 2.0, "batch": 10.0}
+    # an interactive surge reads within seconds (the fast rate), not after τ = 10 s
+    base = d.urgent_free("standard", 20, targets)
+    for _ in range(12):  # 3 s at 4 interactive requests per second
+        clock.t += 0.25
+        d.arrived("interactive")
+    assert d.urgent_free("standard", 20, targets) > base
+    fresh = BandDemand(clock, ("interactive", "standard", "batch"))
+    assert fresh.urgent_free("standard", 20, targets) == 0  # nothing seen yet
