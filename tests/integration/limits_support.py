@@ -125,6 +125,15 @@ async def queue_depth(session: aiohttp.ClientSession, url: str, *, model: str = 
                and priority in (None, m.labels["priority"]))
 
 
+async def in_flight(session: aiohttp.ClientSession, url: str, *, model: str = MODEL) -> float:
+    """Requests the gateway has in flight on ``model``'s engines, from its
+    ``/metrics``."""
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(m.value for f in text_string_to_metric_families(text) for m in f.samples
+               if m.name == "sluice_engine_requests_in_flight" and m.labels["model"] == model)
+
+
 def chat(content: str = "hello there", max_tokens: int = 4, *, stream: bool = False,
          model: str = MODEL) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens,

@@ -15,6 +15,7 @@ from tests.integration.limits_support import (
     auth,
     chat,
     gateways,
+    in_flight,
     queue_depth,
     sim_engine,
     tenant,
@@ -71,6 +72,10 @@ async def hold(session: aiohttp.ClientSession, url: str, model: str) -> aiohttp.
 async def test_ladder_caps_output_then_falls_back(gateway_url) -> None:
     url = gateway_url + "/v1/chat/completions"
     async with aiohttp.ClientSession() as s:
+        async def idle() -> bool:  # an earlier test's request may still hold the slot
+            return await in_flight(s, gateway_url, model="big") == 0
+
+        await wait_for(idle, what="big's earlier requests to end", poll_s=0.05)
         async with s.post(url, json=chat("hi", 50, model="big"), headers=auth("std")) as r:
             assert r.status == 200 and DEGRADED_HEADER not in r.headers  # not saturated
         busy = await hold(s, gateway_url, "big")
