@@ -218,9 +218,10 @@ class BandDemand:
         return sum(self.occupancy(b) for b in self.bands)
 
     def occupancy_through(self, band: str) -> float:
-        """Summed occupancy of ``band`` and the bands more urgent: what will hold the
-        engines in the long run when the less urgent bands yield to them
-        (:meth:`urgent_free`)."""
+        """Summed occupancy of ``band`` and the bands more urgent, each with the larger
+        of its slow and fast rates: what will hold the engines in the long run when
+        the less urgent bands yield to them (:meth:`urgent_free`); a surge reads within
+        seconds."""
         return sum(self.occupancy(b, fast=True) for b in self.bands[:self.bands.index(band) + 1])
 
     def urgent_free(self, band: str, places: float, ttft_targets: dict[str, float],

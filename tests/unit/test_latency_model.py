@@ -488,6 +488,8 @@ def test_band_demand_is_arrival_rate_times_service_time() -> None:
     assert d.occupancy("interactive") == pytest.approx(8.0, rel=0.1)
     assert d.occupancy("standard") == pytest.approx(2.0, rel=0.1)
     assert d.total_occupancy() == pytest.approx(10.0, rel=0.1)  # batch had none
+    assert d.occupancy_through("interactive") == pytest.approx(8.0, rel=0.15)
+    assert d.occupancy_through("batch") == pytest.approx(10.0, rel=0.15)
 
 
 def test_urgent_free_places_follow_the_m_m_1_tail() -> None:
