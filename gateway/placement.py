@@ -197,7 +197,8 @@ class Placer:
         return max(0, sched.prompt_tokens - hit * sched.block_size)
 
     def within_slo(self, engines: list[Engine], need: Need, now: float) -> list[Engine]:
-        """The engines predicted to serve ``need`` within its band's SLO
+        """The engines among ``engines`` (candidates of :meth:`candidates`, so ready
+        ones) predicted to serve ``need`` within its band's SLO
         (:func:`limits.engine_latency.decide`), keeping room for more urgent bands;
         bursts pass while the long-run occupancy (all bands), shared among the ready
         engines in proportion to their knees, is under each engine's knee. Engines
@@ -232,23 +233,28 @@ class Placer:
                                                         lat.decoding).upper(z))
         demand = self.band_demand(model)
         # the knees and free places of the engines with a learned limit for this band
-        knees = {e.id: k for e in ready if e.latency is not None
-                 and (k := e.latency.limit(target.tpot_s)) is not None}
-        free = {e.id: max(0, knees[e.id] - max(e.latency.in_flight, engine_load(e)))
-                for e in ready if e.id in knees and e.latency is not None}
+        loads = {e.id: engine_load(e) for e in ready}
+        knees: dict[str, int] = {}
+        free: dict[str, int] = {}
+        for e in ready:
+            if e.latency is not None and (k := e.latency.limit(target.tpot_s)) is not None:
+                knees[e.id] = k
+                free[e.id] = max(0, k - e.latency.occupied(loads[e.id]))
+        places = sum(knees.values())
         ttft_targets = {b: self.slo.target(b).ttft_s for b in PRIORITIES}
-        keep = demand.urgent_free(priority, sum(knees.values()), ttft_targets)
+        keep = demand.urgent_free(priority, places, ttft_targets)
         total_free = sum(free.values())
         # the long-run occupancy of this band and the more urgent ones (the others
         # yield to them), shared among the engines as their knees are
-        per_knee = demand.occupancy_through(priority) / max(1, sum(knees.values()))
+        per_knee = demand.occupancy_through(priority) / max(1, places)
         within, best_effort = [], []
         for e in engines:
             if e.latency is None:
                 within.append(e)
                 continue
             verdict = e.latency.decide(
-                self.uncached(e, need.sched, now), budget, target.tpot_s, engine_load(e),
+                self.uncached(e, need.sched, now), budget, target.tpot_s,
+                loads[e.id],
                 max(0, keep - (total_free - free.get(e.id, 0))),
                 per_knee * knees.get(e.id, 0))
             if verdict.admit:

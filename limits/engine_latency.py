@@ -469,6 +469,12 @@ class EngineLatency:
         return self.model.predict_ttft(self.pending_prefill_tokens + uncached_tokens,
                                        self.decoding)
 
+    def occupied(self, reported_load: int = 0) -> int:
+        """Requests on the engine: the ledger's in-flight count, or ``reported_load``
+        (this process's and other clients' requests in the engine's last report:
+        :func:`engines.plugins.engine_load`) when larger."""
+        return max(self.in_flight, reported_load)
+
     def decide(self, uncached_tokens: int, ttft_budget_s: float, tpot_target_s: float,
                reported_load: int = 0, reserve: float = 0.0,
                sustained: float | None = None) -> Verdict:
@@ -482,7 +488,7 @@ class EngineLatency:
             return Verdict(True, self.predict_ttft(uncached_tokens), None, best_effort=True)
         return decide(self.model, uncached_tokens=uncached_tokens,
                       pending_prefill_tokens=self.pending_prefill_tokens,
-                      decoding=self.decoding, in_flight=max(self.in_flight, reported_load),
+                      decoding=self.decoding, in_flight=self.occupied(reported_load),
                       ttft_budget_s=ttft_budget_s, tpot_target_s=tpot_target_s,
                       tightest_running_tpot_s=self.tightest_tpot_s(), z=self.z,
                       limit=None if self.model.confident else self.gradient.limit,

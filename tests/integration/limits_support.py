@@ -114,24 +114,29 @@ def gateways(config_dir: Path, n: int = 1, *, timeout_s: float = 60.0) -> Iterat
                 g.proc.wait()
 
 
+async def _metric_sum(session: aiohttp.ClientSession, url: str, name: str,
+                      **labels: str | None) -> float:
+    """The sum of the gateway's ``/metrics`` samples called ``name`` whose labels
+    match ``labels`` (a None value matches any)."""
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(m.value for f in text_string_to_metric_families(text) for m in f.samples
+               if m.name == name and all(v in (None, m.labels.get(k))
+                                         for k, v in labels.items()))
+
+
 async def queue_depth(session: aiohttp.ClientSession, url: str, *, model: str = MODEL,
                       priority: str | None = None) -> float:
     """Requests waiting in the gateway's admission queue for ``model`` (and
     ``priority``), from its ``/metrics``."""
-    async with session.get(url + "/metrics") as r:
-        text = await r.text()
-    return sum(m.value for f in text_string_to_metric_families(text) for m in f.samples
-               if m.name == "sluice_queue_depth" and m.labels["model"] == model
-               and priority in (None, m.labels["priority"]))
+    return await _metric_sum(session, url, "sluice_queue_depth", model=model,
+                             priority=priority)
 
 
 async def in_flight(session: aiohttp.ClientSession, url: str, *, model: str = MODEL) -> float:
     """Requests the gateway has in flight on ``model``'s engines, from its
     ``/metrics``."""
-    async with session.get(url + "/metrics") as r:
-        text = await r.text()
-    return sum(m.value for f in text_string_to_metric_families(text) for m in f.samples
-               if m.name == "sluice_engine_requests_in_flight" and m.labels["model"] == model)
+    return await _metric_sum(session, url, "sluice_engine_requests_in_flight", model=model)
 
 
 def chat(content: str = "hello there", max_tokens: int = 4, *, stream: bool = False,
