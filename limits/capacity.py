@@ -16,7 +16,7 @@ tokens ``p``, uncached prompt tokens ``u`` and output tokens ``o``:
 * throughput by Little's law, ``concurrency / (TTFT̂(u, concurrency) + TPOT̂ × (o − 1))``
   requests/s, and ``× o`` output tokens/s — 0 when the band's SLO cannot be met there
   at all: one request alone misses its TTFT target (TTFT̂(u, 0) + ``z`` σ) or its TPOT
-  target (TPOT̂(1) with no prefill interference, the engine's best effort,
+  target (TPOT̂(1) + ``z`` σ, where the engine serves that band at best effort,
   :meth:`~limits.engine_latency.EngineLatency.best_effort`).
 
 Engines needed for a rate ``R``: ``ceil(R / throughput)`` of one kind (its spec
@@ -67,7 +67,7 @@ def band_capacity(model: LatencyModel, mix: Mix, ttft_s: float, tpot_s: float, z
     tpot = model.predict_tpot(concurrency).mean
     service = ttft + tpot * max(0.0, mix.output_tokens - 1)
     meets = (model.predict_ttft(mix.uncached_tokens, 0).upper(z) <= ttft_s
-             and model.tpot_alone_s() <= tpot_s)
+             and model.tpot_alone_s(z) <= tpot_s)
     rps = concurrency / service if service > 0 and meets else 0.0
     return {"knee": knee, "kv_blocks_per_request": blocks, "kv_bound": kv_bound,
             "max_num_seqs": concurrency, "requests_per_s": round(rps, 4),

@@ -41,15 +41,15 @@ largest batch whose TPOT̂ meets the tightest target. While the model is not tru
 :class:`~limits.gradient.GradientLimiter` on normalised TPOT applies instead, and rule 2
 becomes ``in flight < limit``.
 
-Best effort: when the trusted model predicts that even one request alone, with no
-prefill interference, decodes slower than a TPOT target (``TPOT̂(1, 0)`` above it), no
+Best effort: when the trusted model cannot promise a TPOT target even to one request
+alone (``TPOT̂(1) + z σ`` above it: the knee's own test at a batch of 1 fails), no
 admission can give a request of that target its SLO on this engine; holding requests
-back or shedding them there would only lose throughput. Such requests are admitted
-by the engine's capacity signals alone (slots, KV watermark and blocks, waiting
-requests: :mod:`limits.saturation`), as a plain proxy would, and rules 1 and 2 do not
-apply (:meth:`EngineLatency.best_effort`; it ends when ``TPOT̂(1, 0)`` falls under
-:data:`BEST_EFFORT_EXIT` × the target, so an engine at the boundary does not flap
-between a limit of 1 and its capacity). :meth:`EngineLatency.mode` says which
+back to a limit of 1, or shedding them, would only lose throughput. Such requests are
+admitted by the engine's capacity signals alone (slots, KV watermark and blocks,
+waiting requests: :mod:`limits.saturation`), as a plain proxy would, and rules 1 and 2
+do not apply (:meth:`EngineLatency.best_effort`; it ends when ``TPOT̂(1) + z σ`` falls
+under :data:`BEST_EFFORT_EXIT` × the target, so an engine at the boundary does not
+flap between a limit of 1 and its capacity). :meth:`EngineLatency.mode` says which
 controller is active (``model``, ``gradient`` or ``best_effort``).
 
 Observations (:meth:`EngineLatency.sent`, :meth:`~EngineLatency.first_token`,
@@ -316,7 +316,7 @@ class IntervalObservations:
     turnover: tuple[float, float] | None = None
 
 
-#: Best effort for a TPOT target ends when TPOT̂(1, 0) falls under this fraction of it
+#: Best effort for a TPOT target ends when TPOT̂(1) + z σ falls under this fraction of it
 #: (hysteresis: a predicted TPOT within 10 % of the target is within its noise).
 BEST_EFFORT_EXIT = 0.9
 
@@ -419,13 +419,13 @@ class EngineLatency:
 
     def best_effort(self, tpot_target_s: float) -> bool:
         """Whether requests of TPOT target ``tpot_target_s`` (s) are served at best
-        effort here: the model is trusted and ``TPOT̂(1, 0)`` (mean) exceeds the target,
-        or exceeded it and has not yet fallen under :data:`BEST_EFFORT_EXIT` × the
-        target (module docstring)."""
+        effort here: the model is trusted and ``TPOT̂(1) + z σ`` (one request alone, the
+        knee's own test at a batch of 1) exceeds the target, or exceeded it and has not
+        yet fallen under :data:`BEST_EFFORT_EXIT` × the target (module docstring)."""
         if not self.model.confident:
             self._best_effort.discard(tpot_target_s)
             return False
-        alone = self.model.tpot_alone_s()
+        alone = self.model.tpot_alone_s(self.z)
         bound = tpot_target_s * (BEST_EFFORT_EXIT if tpot_target_s in self._best_effort else 1.0)
         if alone > bound:
             self._best_effort.add(tpot_target_s)

@@ -224,12 +224,12 @@ class LatencyModel:
         p = self.prefill_per_token * batch if prefill_per_step is None else prefill_per_step
         return Prediction(*self.tpot.predict((1.0, batch, p)))
 
-    def tpot_alone_s(self) -> float:
-        """TPOT̂ (mean) of one request alone with no prefill interference, s:
-        ``b0 + b1`` (``predict_tpot(1, 0).mean`` without its variance; admission asks
-        it per request and engine)."""
-        step, per_seq, _ = self.tpot._theta_t
-        return step + per_seq
+    def tpot_alone_s(self, z: float = 0.0) -> float:
+        """TPOT̂ (+ ``z`` σ) of one request alone, with the turnover's prefill
+        interference (``predict_tpot(1).upper(z)``), s. A concurrency limit that meets
+        a TPOT target exists only when this is within the target (:meth:`knee` returns
+        1 either way)."""
+        return self.predict_tpot(1).upper(z)
 
     def knee(self, tpot_target_s: float, z: float = 0.0, *, cap: int = 1024) -> int:
         """The largest batch ``b`` (≥ 1, ≤ ``cap``) whose TPOT̂ (+ ``z`` σ) meets

@@ -194,7 +194,7 @@ def slowed(model: LatencyModel, factor: float) -> LatencyModel:
 
 def test_an_engine_too_slow_for_the_target_even_alone_serves_at_best_effort() -> None:
     clock = FakeClock()
-    # TPOT̂(1, 0) = 48 ms: the knee for 100 ms is 14; × 2.5 (120 ms alone) none exists
+    # TPOT̂(1) = 48 ms: the knee for 100 ms is 14; × 2.5 (120 ms alone) none exists
     eng = EngineLatency(fitted(), clock, z=0.0)
     assert eng.mode(0.1) == "model" and eng.limit(0.1) in (13, 14)
     flights = [eng.sent(0, 100, 0.1) for _ in range(15)]
@@ -216,10 +216,30 @@ def test_an_engine_too_slow_for_the_target_even_alone_serves_at_best_effort() ->
         eng.finished(f, ok=False)
 
 
+def test_an_engine_whose_mean_meets_the_target_alone_but_not_its_bound_is_best_effort() -> None:
+    """TPOT̂(1) 99 ms against a 100 ms target, σ 5 ms: at z = 1 no batch meets the
+    target with confidence (the knee's test fails at 1), so the engine is not held to
+    one request but served at best effort; with its prefill interference or a larger
+    σ counted the same way."""
+    eng = EngineLatency(fitted(), FakeClock(), z=1.0)
+    slowed(eng.model, 0.099 / eng.model.predict_tpot(1).mean)
+    eng.model.tpot.noise_var = 0.005 ** 2
+    one = eng.model.predict_tpot(1)
+    assert one.mean < 0.1 < one.upper(1.0)
+    assert eng.model.tpot_alone_s(1.0) == one.upper(1.0)
+    assert eng.best_effort(0.1) and eng.limit(0.1) is None
+    # at z = 0 the mean rules: a knee of 1 (the request alone meets the target)
+    eng0 = EngineLatency(eng.model, FakeClock(), z=0.0)
+    assert not eng0.best_effort(0.1) and eng0.limit(0.1) == 1
+    # the turnover's prefill interference counts as the knee counts it
+    eng0.model.prefill_per_token = 100.0  # tokens per step: + 119 ms
+    assert eng0.best_effort(0.1)
+
+
 def test_best_effort_ends_only_well_under_the_target() -> None:
     eng = EngineLatency(fitted(), FakeClock(), z=0.0)
 
-    def alone_ms(ms: float) -> bool:  # the engine slowed so that TPOT̂(1, 0) = ms
+    def alone_ms(ms: float) -> bool:  # the engine slowed so that TPOT̂(1) = ms
         slowed(eng.model, ms / 1000 / eng.model.predict_tpot(1, 0.0).mean)
         return eng.best_effort(0.1)
 
