@@ -29,6 +29,10 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
+#: Prompt tokens a KV connector loaded from another engine (a disaggregated decode
+#: leg's prefill), counted at admission like the local hits (vLLM 0.32,
+#: ``vllm/v1/metrics/loggers.py``, ``connector_prefix_cache_stats``).
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
 CACHE_CONFIG = "vllm:cache_config_info"
 GENERATION = "vllm:generation_tokens"
 PROMPT_TOKENS = "vllm:prompt_tokens"
@@ -48,7 +52,8 @@ class _Series:
 
 #: Sample lines worth parsing start with one of these; vLLM's full exposition is
 #: ~55 kB of mostly histograms, which prometheus_client parses in tens of ms.
-_WANTED = (KV_USAGE, KV_USAGE_OLD, RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG,
+_WANTED = (KV_USAGE, KV_USAGE_OLD, RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS, EXTERNAL_HITS,
+           CACHE_CONFIG,
            GENERATION, PROMPT_TOKENS + "_total", PROMPT_TOKENS + " ", PROMPT_TOKENS + "{",
            *(h + s for h in (ITL, PREFILL_TIME, COMPUTED_TOKENS) for s in ("_sum", "_count")))
 
@@ -122,7 +127,8 @@ def parse_metrics(text: str, at: float) -> MetricsSnapshot:
             prefill_count=maybe(f"{PREFILL_TIME}_count"),
             computed_tokens=maybe(f"{COMPUTED_TOKENS}_sum"),
             prompt_tokens=maybe(PROMPT_TOKENS), cached_tokens=total(PREFIX_HITS),
-            queried_tokens=maybe(PREFIX_QUERIES), generated_tokens=maybe(GENERATION))
+            external_tokens=total(EXTERNAL_HITS), queried_tokens=maybe(PREFIX_QUERIES),
+            generated_tokens=maybe(GENERATION))
     block_size = num_blocks = None
     info = series.get(CACHE_CONFIG)
     if info:

@@ -222,6 +222,16 @@ class Placer:
         budget = target.ttft_s - (now - need.arrived)
         z = self.adaptive.confidence_z
         ready = [e for e in self.pool.for_model(model) if e.routable and serves_whole(e)]
+        # a request a prefill engine can take computes none of its prompt on the decode
+        # engine: its decode leg waits there only for the prefill queued ahead of it
+        # (whether it is split is the disaggregation choice, made among these engines)
+        splittable = (model in self.split_models and need.splittable
+                      and bool(self.candidates(model, priority, need.sched.prompt_tokens,
+                                               prefill=True)))
+
+        def uncached(e: Engine) -> int:
+            return 0 if splittable else self.uncached(e, need.sched, now)
+
         best = math.inf  # the soonest start on an engine that can meet the SLO
         for e in ready:
             lat = e.latency
@@ -229,8 +239,7 @@ class Placer:
                 best = -math.inf  # not known: no shedding
                 break
             if not lat.best_effort(target.tpot_s):
-                best = min(best, lat.model.predict_ttft(self.uncached(e, need.sched, now),
-                                                        lat.decoding).upper(z))
+                best = min(best, lat.model.predict_ttft(uncached(e), lat.decoding).upper(z))
         demand = self.band_demand(model)
         # the knees and free places of the engines with a learned limit for this band
         loads = {e.id: engine_load(e) for e in ready}
@@ -253,7 +262,7 @@ class Placer:
                 within.append(e)
                 continue
             verdict = e.latency.decide(
-                self.uncached(e, need.sched, now), budget, target.tpot_s,
+                uncached(e), budget, target.tpot_s,
                 loads[e.id],
                 max(0, keep - (total_free - free.get(e.id, 0))),
                 per_knee * knees.get(e.id, 0))
@@ -329,6 +338,12 @@ class Placer:
         placement = Placement(lease, scores, uncached=choice.uncached)
         if choice.prefill is not None:
             placement.prefill = self._lease_prefill(need, choice.prefill, now)
+        if choice.decode.latency is not None:  # the decode engine's ledger holds it
+            local = choice.uncached if choice.prefill is None else 0  # a leg: KV loaded
+            placement.flight = choice.decode.latency.sent(
+                local, sched.prompt_tokens, self.slo.target(need.priority).tpot_s,
+                PRIORITIES.index(need.priority))
+            placement.on_release = self._close_flight
         return placement
 
     def _lease_prefill(self, need: Need, engine: Engine, now: float) -> EngineLease:

@@ -72,10 +72,13 @@ finished is a TTFT sample of a request's own computed prompt tokens with nothing
 queued ahead, at the mean running count. They arrive while requests still decode, so
 the model follows a change without waiting for generations to end. The uncached
 prompt tokens of an interval are ``vllm:prefix_cache_queries`` less
-``vllm:prefix_cache_hits``: vLLM counts both when it schedules a request, whereas
-``vllm:prompt_tokens`` grows only at its first token, so the difference of the
-latter and the hits, clipped at zero per interval, would count a cached prompt as
-uncached whenever the two land in different intervals. The interval's uncached and
+``vllm:prefix_cache_hits`` and less ``vllm:external_prefix_cache_hits`` (the tokens
+a KV connector loaded: a disaggregated decode leg's prompt, prefilled elsewhere,
+interferes with no decode step here): vLLM counts all three when it schedules a
+request, whereas ``vllm:prompt_tokens`` grows only at its first token, so the
+difference of the latter and the hits, clipped at zero per interval, would count a
+cached prompt as uncached whenever the two land in different intervals. The
+interval's uncached and
 generated tokens (``vllm:generation_tokens``) also feed the turnover ratio
 (:meth:`LatencyModel.observe_turnover`); an engine without these counters feeds it
 from the requests the gateway sees end.
@@ -279,6 +282,9 @@ class EngineCounters:
             tokens the finished requests computed, cache hits excluded).
         prompt_tokens: ``vllm:prompt_tokens`` (prefill tokens, cached included).
         cached_tokens: ``vllm:prefix_cache_hits`` (prompt tokens found cached).
+        external_tokens: ``vllm:external_prefix_cache_hits`` (prompt tokens a KV
+            connector loaded from another engine: a disaggregated decode leg's
+            prompt, computed on its prefill engine).
         queried_tokens: ``vllm:prefix_cache_queries`` (prompt tokens looked up in the
             prefix cache, counted with the hits).
         generated_tokens: ``vllm:generation_tokens``.
@@ -294,6 +300,7 @@ class EngineCounters:
     computed_tokens: float | None = None
     prompt_tokens: float | None = None
     cached_tokens: float = 0.0
+    external_tokens: float = 0.0
     queried_tokens: float | None = None
     generated_tokens: float | None = None
 
@@ -338,9 +345,10 @@ def interval_observations(prev: EngineCounters, now: EngineCounters) -> Interval
 
     tpot = ttft = turnover = None
     hits = delta(prev.cached_tokens, now.cached_tokens) or 0.0
+    loaded = delta(prev.external_tokens, now.external_tokens) or 0.0
     queried = delta(prev.queried_tokens, now.queried_tokens)
-    if queried is not None:  # counted together with the hits
-        uncached = max(0.0, queried - hits)
+    if queried is not None:  # counted together with the hits, local and loaded
+        uncached = max(0.0, queried - hits - loaded)
     else:
         uncached = max(0.0, (delta(prev.prompt_tokens, now.prompt_tokens) or 0.0) - hits)
     generated = delta(prev.generated_tokens, now.generated_tokens)

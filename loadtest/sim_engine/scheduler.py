@@ -126,7 +126,11 @@ class Counters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0  # preemption events
-    external_kv_tokens: int = 0  # prompt tokens loaded by a KV connector
+    #: vLLM's connector prefix-cache stats (``connector_prefix_cache_stats``): the
+    #: prompt tokens a KV connector was asked for beyond the local hit, and those it
+    #: loaded (``vllm:external_prefix_cache_queries`` / ``_hits``)
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 class Scheduler:
@@ -253,11 +257,13 @@ class Scheduler:
             req.blocks = hits + new_blocks
             req.num_registered_blocks = len(hits)
             req.num_computed_tokens = computed
-            self.counters.external_kv_tokens += computed - num_hit
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit
                 self.counters.prefix_cache_queries += req.num_tokens
                 self.counters.prefix_cache_hits += num_hit
+                if req.external_tokens:  # a connector was asked (a decode leg)
+                    self.counters.external_prefix_cache_queries += req.num_tokens - num_hit
+                    self.counters.external_prefix_cache_hits += computed - num_hit
             req.status = Status.RUNNING
             self.running.append(req)
             self._register_full_blocks(req, n)

@@ -137,7 +137,7 @@ async def test_split_request_follows_vllm_protocol_field_by_field():
         # one request id on both legs
         assert p.request_ids == d.request_ids == [rid]
         # the decode engine read the blocks; the prefill engine freed them
-        assert d.engine.scheduler.counters.external_kv_tokens > 0
+        assert d.engine.scheduler.counters.external_prefix_cache_hits > 0
         assert p.connector.held_requests == 0
         await wait_for(lambda: idle(gw), 10)
 
@@ -175,7 +175,7 @@ async def test_every_prefill_failing_leaves_the_prefill_to_the_decode_engine():
             assert "x-sluice-prefill-engine" not in r.headers
         assert len(fakes["bad"].received) == 1
         assert "kv_transfer_params" not in d.received[0]
-        assert d.engine.scheduler.counters.external_kv_tokens == 0
+        assert d.engine.scheduler.counters.external_prefix_cache_hits == 0
         await wait_for(lambda: idle(gw), 10)
 
 
@@ -188,7 +188,7 @@ async def test_decode_failure_before_first_byte_retries_on_another_decode_engine
         assert len(fakes["bad"].received) == 1
         params = fakes["bad"].received[0]["kv_transfer_params"]
         assert d.received[0]["kv_transfer_params"] == params  # the same blocks
-        assert d.engine.scheduler.counters.external_kv_tokens > 0
+        assert d.engine.scheduler.counters.external_prefix_cache_hits > 0
         await wait_for(lambda: idle(gw), 10)
 
 

@@ -112,7 +112,7 @@ async def test_decode_leg_reads_the_blocks_and_streams_the_answer():
         assert p.connector.held_requests == 0
         assert p.engine.kv.num_free_blocks == PROFILE.num_blocks - 1
         # the decode engine loaded every prompt token but the last, which it recomputes
-        assert d.engine.scheduler.counters.external_kv_tokens == N_PROMPT - 1
+        assert d.engine.scheduler.counters.external_prefix_cache_hits == N_PROMPT - 1
         m = await d.metrics()
         block_bytes = PROFILE.kv_bytes_per_block
         assert m["vllm:nixl_xfer_time_seconds_count"] == 1
@@ -145,7 +145,7 @@ async def test_expired_blocks_are_prefilled_locally_by_default():
             assert r.status == 200
             raw = await r.read()
         assert raw.endswith(b"data: [DONE]\n\n")
-        assert d.engine.scheduler.counters.external_kv_tokens == 0
+        assert d.engine.scheduler.counters.external_prefix_cache_hits == 0
         assert (await p.metrics())["vllm:nixl_num_kv_expired_reqs_total"] == 1
         m = await d.metrics()
         assert m["vllm:nixl_num_failed_transfers_total"] == 1

@@ -97,7 +97,9 @@ def test_shared_vllm_writer_round_trips_through_parse_metrics() -> None:
     from loadtest.sim_engine.metrics import EngineStats, VllmExposition
 
     stats = EngineStats(running=3, waiting=2, kv_cache_usage=0.25, prefix_cache_queries=1213,
-                        prefix_cache_hits=768, prompt_tokens=1213, generation_tokens=37)
+                        prefix_cache_hits=768, external_prefix_cache_queries=445,
+                        external_prefix_cache_hits=444, prompt_tokens=1213,
+                        generation_tokens=37)
     writer = VllmExposition("gemma3-270m", lambda: stats, block_size=128, num_gpu_blocks=2730,
                             clock=lambda: 1.7e9)
     writer.ttft.observe(0.2)
@@ -105,8 +107,8 @@ def test_shared_vllm_writer_round_trips_through_parse_metrics() -> None:
     text = writer.render().decode()
     snap = parse_metrics(text, at=5.0)
     counters = EngineCounters(at=5.0, load=5, running=3, itl_sum_s=0.05, itl_count=1,
-                              prompt_tokens=1213, cached_tokens=768, queried_tokens=1213,
-                              generated_tokens=37)
+                              prompt_tokens=1213, cached_tokens=768, external_tokens=444,
+                              queried_tokens=1213, generated_tokens=37)
     assert snap == MetricsSnapshot(at=5.0, kv_cache_usage=0.25, num_running=3, num_waiting=2,
                                    prefix_cache_queries=1213, prefix_cache_hits=768,
                                    generation_tokens=37, block_size=128, num_blocks=2730,

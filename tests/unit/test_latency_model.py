@@ -345,6 +345,22 @@ def test_interval_uncached_tokens_come_from_the_prefix_cache_counters() -> None:
     assert interval_observations(old[1], old[2]).turnover == (1000.0, 5.0)
 
 
+
+def test_interval_tokens_a_kv_connector_loaded_are_not_prefill_here() -> None:
+    """A disaggregated decode leg of a 2,000-token prompt: the decode engine looks the
+    prompt up (2,000 queried, no local hit) and its connector loads 1,999 tokens the
+    prefill engine computed; only the last token is prefilled here."""
+    a = EngineCounters(at=0.0, load=1, running=1, itl_sum_s=0.0, itl_count=0,
+                       prompt_tokens=0, cached_tokens=0, queried_tokens=0, generated_tokens=0)
+    b = dataclasses.replace(a, at=0.25, itl_sum_s=0.25, itl_count=5, queried_tokens=2000,
+                            external_tokens=1999, generated_tokens=5)
+    obs = interval_observations(a, b)
+    assert obs.turnover == (1.0, 5.0)
+    assert obs.tpot is not None and obs.tpot[2] == pytest.approx(1 / 5)
+    # read as computed here, the same interval would claim 2,000 prefill tokens
+    assert interval_observations(a, dataclasses.replace(b, external_tokens=0)).turnover \
+        == (2000.0, 5.0)
+
 def test_turnover_ratio_sets_the_prefill_interference_of_a_batch() -> None:
     model = fitted()
     model.observe_turnover(300, 100, at=0.0)  # 3 uncached prompt tokens per output token
