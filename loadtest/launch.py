@@ -48,6 +48,23 @@ class RunningGateway:
                 out.append(child)
         return out
 
+    def cpu_s(self) -> float:
+        """User + system CPU so far of the gateway's own processes (its process tree
+        less the engines it launched and their children), s."""
+        engines = {q.pid for e in self.engine_processes()
+                   for q in (e, *e.children(recursive=True))}
+        total = 0.0
+        for proc in (psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(
+                recursive=True)):
+            if proc.pid in engines:
+                continue
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        return total
+
     def engine_urls(self) -> list[str]:
         """``http://127.0.0.1:PORT`` of each engine process the gateway launched."""
         urls = set()

@@ -1,16 +1,28 @@
 """``python -m loadtest realprompts --json PATH [--limit N]``: the gateway's cost on a
 real engine.
 
-Sends the first N (default 100) Arena-Hard v0.1 prompts as streamed chat requests
-(max_tokens 64) at concurrency 1 and 8, straight to the engine and through the
-gateway, in the same run. Drift in the machine's speed (other jobs on a shared
-machine) must hit both paths alike: at concurrency 1 they alternate prompt by
-prompt; at concurrency 8 the prompts are split into ``--rounds`` (default 5) rounds,
-each run on both paths back to back, the path that goes first alternating round by
-round (ABBA), and ``throughput_ratio_c8`` is the median of the rounds' ratios (one
-round disturbed by a burst of other work does not decide it). Prompts are cut to
-``--max-prompt-chars`` (default 4,000 ≈ 1,000 tokens) so they fit the engine's
-2,048-token context.
+Sends Arena-Hard v0.1 prompts as streamed chat requests (max_tokens 64) at
+concurrency 1 and 8, straight to the engine and through the gateway, in the same
+run. Drift in the machine's speed (other jobs on a shared machine) must hit both
+paths alike: at concurrency 1 the first N (``--limit``, default 100; ``--c1-limit``
+bounds them) alternate path by path, prompt by prompt. At concurrency 8 the run has
+``--rounds`` (default 5) rounds, each run on both paths back to back, the path that
+goes first alternating round by round (ABBA): 8 closed-loop clients send the round's
+prompts (a slice of all 500, the same sequence on both paths, cycled if used up), each
+client its next one as soon as its previous answer ends, for ``--round-s`` (default
+30) s. A path's throughput is the output tokens of the requests that ended within
+that window over its length (requests still running at its end are waited for and
+not counted, on both paths), so both paths are measured while the engine is
+saturated: a fixed list of prompts would end each round with a ramp-down whose
+length depends on which of the last requests are served, and an SLO gateway rightly
+sheds a request that would start past its TTFT target while the ramp-down leaves
+slots idle. ``throughput_ratio_c8`` is the median of the rounds' ratios (one round
+disturbed by a burst of other work does not decide it); ``throughput_ratio_c8_pooled``
+the ratio of all rounds' tokens. ``gateway_cpu_c8``: the CPU of the gateway's own
+processes over its c8 windows, cores (it shares this machine's cores with a CPU
+engine; None for a gateway given by URL).
+Prompts are cut to ``--max-prompt-chars`` (default 4,000 ≈ 1,000 tokens) so they fit
+the engine's 2,048-token context.
 
 Without ``--gateway-url``/``--engine-url`` it starts ``sluice serve`` with the shipped
 default config (one CPU vLLM engine on the packaged Gemma 3 270M) and measures that;
@@ -32,11 +44,12 @@ in all phases, TTFT̂ from ``x-sluice-ttft-predicted-ms`` (the adaptive admissio
 prediction when it sent the request) and TTFT the client's less the gateway's queue
 wait (``x-sluice-queue-ms``).
 
-JSON: ``{"engine_kind", "direct_headers", "limit", "direct"|"gateway": {"c1"|"c8":
-{ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, output_tok_s, requests_s, errors}},
+JSON: ``{"engine_kind", "direct_headers", "limit", "round_s", "direct"|"gateway":
+{"c1"|"c8": {ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, output_tok_s, requests_s, errors}},
 "throughput_ratio_c8": gateway/direct (median of the rounds), "throughput_ratio_c8_rounds":
-[per round], "gateway_limit_c8_rounds": [the gateway's concurrency limit for the engine
-after each round], "ttft_p50_added_ms_c1", "prediction":
+[per round], "throughput_ratio_c8_pooled", "gateway_cpu_c8", "gateway_limit_c8_rounds":
+[the gateway's concurrency limit for the engine after each round],
+"ttft_p50_added_ms_c1", "prediction":
 {ttft_rel_err_p50, ttft_rel_err_p90, samples}, "overload": {load, capacity_rps, rate,
 duration_s, slo, "direct"|"gateway": {goodput, slo_attainment: {interactive, standard,
 batch}, shed, offered}, interactive_ratio: gateway/direct}, "load_avg": [1-min load
@@ -59,6 +72,7 @@ import shutil
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,21 +126,27 @@ def _body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
             "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
 
 
-async def _run_concurrent(session: aiohttp.ClientSession, url: str, bodies: list[dict[str, Any]],
-                          concurrency: int, headers: dict[str, str] | None = None,
-                          ) -> tuple[list[Measured], float]:
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    for b in bodies:
-        queue.put_nowait(b)
+async def _run_for(session: aiohttp.ClientSession, url: str, bodies: list[dict[str, Any]],
+                   concurrency: int, duration_s: float, headers: dict[str, str] | None = None,
+                   ) -> list[Measured]:
+    """Closed loop for ``duration_s`` s: ``concurrency`` clients, each sending the next of
+    ``bodies`` (cycled) as soon as its previous answer ends. Returns the results of the
+    requests that ended within the window; those running at its end are waited for and
+    left out."""
     results: list[Measured] = []
-
-    async def worker() -> None:
-        while not queue.empty():
-            results.append(await send_measured(session, url, queue.get_nowait(), headers))
-
+    sent = 0
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return results, time.perf_counter() - start
+
+    async def client() -> None:
+        nonlocal sent
+        while time.perf_counter() - start < duration_s:
+            body, sent = bodies[sent % len(bodies)], sent + 1
+            m = await send_measured(session, url, body, headers)
+            if time.perf_counter() - start <= duration_s:
+                results.append(m)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return results
 
 
 async def _gateway_limit(session: aiohttp.ClientSession, gateway: str) -> float | None:
@@ -141,14 +161,20 @@ async def _gateway_limit(session: aiohttp.ClientSession, gateway: str) -> float 
 
 async def measure(engine: str, gateway: str, model: str, prompts: list[str],
                   max_tokens: int, direct_headers: dict[str, str] | None = None,
-                  rounds: int = 5, c1_limit: int | None = None,
+                  rounds: int = 5, c1_limit: int | None = None, *,
+                  c8_prompts: list[str] | None = None, round_s: float = 30.0,
+                  gateway_cpu_s: Callable[[], float] | None = None,
                   ) -> tuple[dict[str, Any], list[Measured]]:
-    """Both paths at c1 (the first ``c1_limit`` prompts, default all) then at c8 in
-    ``rounds`` ABBA rounds (module docstring); ``direct_headers`` go with every direct
-    request. Returns the report and the gateway's results (for the prediction error)."""
+    """Both paths at c1 (the first ``c1_limit`` of ``prompts``, default all) then at c8
+    in ``rounds`` ABBA rounds of ``round_s`` s over slices of ``c8_prompts`` (default
+    ``prompts``; module docstring); ``direct_headers`` go with every direct request;
+    ``gateway_cpu_s``: the gateway's CPU so far, s (for ``gateway_cpu_c8``; None: not
+    measured, a gateway this process did not start). Returns the report
+    and the gateway's results (for the prediction error)."""
     paths = {"direct": engine + "/v1/chat/completions", "gateway": gateway + "/v1/chat/completions"}
     headers = {"direct": direct_headers, "gateway": None}
     bodies = [_body(model, p, max_tokens) for p in prompts]
+    c8_bodies = [_body(model, p, max_tokens) for p in (c8_prompts or prompts)]
     out: dict[str, Any] = {"direct": {}, "gateway": {}}
     through_gateway: list[Measured] = []
     async with aiohttp.ClientSession() as session:
@@ -166,27 +192,30 @@ async def measure(engine: str, gateway: str, model: str, prompts: list[str],
             out[name]["c1"] = summarize(c1[name], spent[name])
         through_gateway += c1["gateway"]
         c8: dict[str, list[Measured]] = {"direct": [], "gateway": []}
-        wall = {"direct": 0.0, "gateway": 0.0}
-        ratios, limits = [], []
+        ratios, limits, cpu_s = [], [], 0.0
         for r in range(rounds):
-            chunk = bodies[r * len(bodies) // rounds:(r + 1) * len(bodies) // rounds]
+            chunk = c8_bodies[r * len(c8_bodies) // rounds:(r + 1) * len(c8_bodies) // rounds]
             rate = {}
             for name in (["direct", "gateway"] if r % 2 == 0 else ["gateway", "direct"]):
-                results, took = await _run_concurrent(session, paths[name], chunk, 8,
-                                                       headers[name])
+                cpu0 = gateway_cpu_s() if gateway_cpu_s and name == "gateway" else 0.0
+                results = await _run_for(session, paths[name], chunk, 8, round_s, headers[name])
+                if gateway_cpu_s and name == "gateway":
+                    cpu_s += gateway_cpu_s() - cpu0
                 c8[name] += results
-                wall[name] += took
-                rate[name] = summarize(results, took)["output_tok_s"]
+                rate[name] = summarize(results, round_s)["output_tok_s"]
                 if name == "gateway":
                     through_gateway += results
                     limits.append(await _gateway_limit(session, gateway))
             if rate["direct"]:
                 ratios.append(round(rate["gateway"] / rate["direct"], 4))
         for name in paths:
-            out[name]["c8"] = summarize(c8[name], wall[name])
+            out[name]["c8"] = summarize(c8[name], rounds * round_s)
     d, g = out["direct"], out["gateway"]
     out["throughput_ratio_c8"] = round(statistics.median(ratios), 4) if ratios else None
     out["throughput_ratio_c8_rounds"] = ratios
+    out["throughput_ratio_c8_pooled"] = (round(g["c8"]["output_tok_s"] / d["c8"]["output_tok_s"], 4)
+                                         if d["c8"]["output_tok_s"] else None)
+    out["gateway_cpu_c8"] = round(cpu_s / (rounds * round_s), 3) if gateway_cpu_s else None
     out["gateway_limit_c8_rounds"] = limits
     if d["c1"]["ttft_p50_ms"] is not None and g["c1"]["ttft_p50_ms"] is not None:
         out["ttft_p50_added_ms_c1"] = round(g["c1"]["ttft_p50_ms"] - d["c1"]["ttft_p50_ms"], 2)
@@ -324,9 +353,11 @@ def _config_dir(directory: Path, engine_kind: str) -> Path:
 
 
 async def run(engine: str, gateway: str, prompts: list[str], args: argparse.Namespace,
-              direct: dict[str, str] | None) -> dict[str, Any]:
+              direct: dict[str, str] | None, c8_prompts: list[str],
+              gateway_cpu_s: Callable[[], float] | None = None) -> dict[str, Any]:
     result, through = await measure(engine, gateway, args.model, prompts, args.max_tokens,
-                                    direct, args.rounds, args.c1_limit)
+                                    direct, args.rounds, args.c1_limit, c8_prompts=c8_prompts,
+                                    round_s=args.round_s, gateway_cpu_s=gateway_cpu_s)
     if args.overload_s > 0:
         capacity = result["direct"]["c8"]["requests_s"]
         result["overload"], more = await overload(engine, gateway, args.model, prompts,
@@ -359,18 +390,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=5,
                     help="ABBA rounds of the concurrency-8 phase (default 5)")
+    ap.add_argument("--round-s", type=float, default=30.0,
+                    help="closed-loop window of each path in each concurrency-8 round, s")
     ap.add_argument("--c1-limit", type=int,
                     help="prompts of the concurrency-1 phase (default: all --limit)")
     args = ap.parse_args(argv)
     load_start = os.getloadavg()[0]
-    prompts = [p[: args.max_prompt_chars] for p in read_prompts("v0.1")[: args.limit]]
+    every = [p[: args.max_prompt_chars] for p in read_prompts("v0.1")]
+    prompts = every[: args.limit]
     # llama-server closes the connection after each stream though it announces keep-alive
     # (engines.kinds.llamacpp); the direct client closes it too, as the gateway does,
     # so neither path reuses a dead connection
     direct = {"Connection": "close"} if args.engine_kind == "llamacpp" else None
     changed: dict[str, str] = {}
     if args.gateway_url and args.engine_url:
-        result = asyncio.run(run(args.engine_url, args.gateway_url, prompts, args, direct))
+        result = asyncio.run(run(args.engine_url, args.gateway_url, prompts, args, direct,
+                                 every))
     else:
         import tempfile
 
@@ -381,9 +416,11 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory(prefix="sluice-realprompts-") as tmp, \
                 gateway(_config_dir(Path(tmp), args.engine_kind)) as gw:
             (engine,) = gw.engine_urls()
-            result = asyncio.run(run(engine, gw.url, prompts, args, direct))
+            result = asyncio.run(run(engine, gw.url, prompts, args, direct, every,
+                                     gw.cpu_s))
     result = {"engine_kind": args.engine_kind, "direct_headers": direct, "limit": args.limit,
-              "rounds": args.rounds, "c1_limit": args.c1_limit, **result,
+              "rounds": args.rounds, "round_s": args.round_s, "c1_limit": args.c1_limit,
+              **result,
               "load_avg": [load_start, os.getloadavg()[0]], "config": {"changed": changed}}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

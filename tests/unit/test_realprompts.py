@@ -43,3 +43,48 @@ def test_rel_errors_compare_the_prediction_with_ttft_less_the_queue_wait() -> No
     errs = rel_errors([m(0.6, 100.0, "400"), m(1.0, None, "1500"), m(1.0, None, None),
                        Measured(status=503, error_code="overloaded")])
     assert errs == pytest.approx([0.2, 0.5])
+
+
+async def test_run_for_keeps_every_client_busy_and_counts_what_ends_in_the_window() -> None:
+    """Closed loop over loopback HTTP: each client sends its next body as soon as its
+    answer ends, the bodies cycle, and an answer that ends after the window is left
+    out (the server holds the first request past it)."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from loadtest.realprompts import _run_for
+
+    seen: list[str] = []
+    release = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body["messages"][0]["content"])
+        if len(seen) == 1:
+            await release.wait()  # answered after the window
+        return web.json_response({"usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    bodies = [{"model": "m", "messages": [{"role": "user", "content": c}]} for c in "abc"]
+    try:
+        async with aiohttp.ClientSession() as session:
+            task = asyncio.create_task(_run_for(session, f"http://127.0.0.1:{port}"
+                                                "/v1/chat/completions", bodies, 2, 0.3))
+            done, _ = await asyncio.wait({task}, timeout=0.6)
+            assert not done  # the held request keeps the run open past its window
+            release.set()
+            results = await task
+    finally:
+        await runner.cleanup()
+    assert seen[:4] == ["a", "b", "c", "a"]  # one sequence, cycled, over both clients
+    # left out: the held one, and the other client's request if it ran at the window's end
+    assert len(seen) - 2 <= len(results) <= len(seen) - 1
+    assert all(r.ok and r.completion_tokens == 2 for r in results)
