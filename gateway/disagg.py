@@ -42,7 +42,11 @@ exactly the prompts of at least ``threshold_tokens`` (estimated) tokens over the
 same pair the prediction would choose.
 
 The estimate is this module's own (load the gateway sees plus observed prefill
-speeds), not a learned latency model.
+speeds), not a learned latency model. With adaptive admission the decode lease holds
+a flight in the decode engine's latency ledger like a whole request; a decode leg
+computes none of the prompt there (vLLM counts the loaded tokens as
+``vllm:external_prefix_cache_hits``, which the latency model does not take for
+prefill), so its TTFT rule counts only the prefill queued ahead of it.
 """
 
 from __future__ import annotations
