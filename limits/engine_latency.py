@@ -78,10 +78,9 @@ interferes with no decode step here): vLLM counts all three when it schedules a
 request, whereas ``vllm:prompt_tokens`` grows only at its first token, so the
 difference of the latter and the hits, clipped at zero per interval, would count a
 cached prompt as uncached whenever the two land in different intervals. The
-interval's uncached and
-generated tokens (``vllm:generation_tokens``) also feed the turnover ratio
-(:meth:`LatencyModel.observe_turnover`); an engine without these counters feeds it
-from the requests the gateway sees end.
+interval's uncached and generated tokens (``vllm:generation_tokens``) also feed the
+turnover ratio (:meth:`LatencyModel.observe_turnover`); an engine without these
+counters feeds it from the requests the gateway sees end.
 """
 
 from __future__ import annotations
