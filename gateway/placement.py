@@ -24,7 +24,7 @@ closes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -196,7 +196,8 @@ class Placer:
         hit = self.scheduler.index.match(engine, sched.blocks, now) if sched.blocks else 0
         return max(0, sched.prompt_tokens - hit * sched.block_size)
 
-    def within_slo(self, engines: list[Engine], need: Need, now: float) -> list[Engine]:
+    def within_slo(self, engines: list[Engine], need: Need, now: float,
+                   prefill: Sequence[Engine] = ()) -> list[Engine]:
         """The engines among ``engines`` (candidates of :meth:`candidates`, so ready
         ones) predicted to serve ``need`` within its band's SLO
         (:func:`limits.engine_latency.decide`), keeping room for more urgent bands;
@@ -205,6 +206,8 @@ class Placer:
         that can meet the request's SLO are preferred: those that take it only at best
         effort (:meth:`~limits.engine_latency.EngineLatency.best_effort`: too slow for
         its TPOT target even alone) are returned only when none of the others would.
+        ``prefill``: the prefill engines with room for a request that may be split
+        (then no engine here computes its prompt; empty otherwise).
 
         Raises:
             Rejected: ``OVERLOADED`` (reason ``predicted_miss``) when, with every
@@ -222,15 +225,12 @@ class Placer:
         budget = target.ttft_s - (now - need.arrived)
         z = self.adaptive.confidence_z
         ready = [e for e in self.pool.for_model(model) if e.routable and serves_whole(e)]
-        # a request a prefill engine can take computes none of its prompt on the decode
-        # engine: its decode leg waits there only for the prefill queued ahead of it
-        # (whether it is split is the disaggregation choice, made among these engines)
-        splittable = (model in self.split_models and need.splittable
-                      and bool(self.candidates(model, priority, need.sched.prompt_tokens,
-                                               prefill=True)))
-
+        # a request one of the ``prefill`` engines can take computes none of its prompt
+        # on the decode engine: its decode leg waits there only for the prefill queued
+        # ahead of it (whether it is split is the disaggregation choice, made among
+        # these engines)
         def uncached(e: Engine) -> int:
-            return 0 if splittable else self.uncached(e, need.sched, now)
+            return 0 if prefill else self.uncached(e, need.sched, now)
 
         best = math.inf  # the soonest start on an engine that can meet the SLO
         for e in ready:
@@ -284,14 +284,18 @@ class Placer:
         Raises:
             Rejected: ``predicted_miss``, as :meth:`within_slo`.
         """
-        candidates = self.candidates(need.sched.model, need.priority, need.tokens, exclude)
+        sched = need.sched
+        candidates = self.candidates(sched.model, need.priority, need.tokens, exclude)
         now = self.clock.now()
+        split = sched.model in self.split_models and need.splittable and not exclude
+        prefill = self.candidates(sched.model, need.priority, sched.prompt_tokens,
+                                  prefill=True) if split and candidates else []
         if candidates and self.adaptive.enabled and need.arrived is not None:
-            candidates = self.within_slo(candidates, need, now)
+            candidates = self.within_slo(candidates, need, now, prefill)
         if not candidates:
             return None
-        if need.sched.model in self.split_models and need.splittable and not exclude:
-            return self._place_split(need, candidates, now)
+        if split:
+            return self._place_split(need, candidates, prefill, now)
         decision = self.scheduler.pick(need.sched, candidates, now)
         if decision is None:
             return None
@@ -320,12 +324,12 @@ class Placer:
             PRIORITIES[flight.band], self.clock.now() - flight.sent_at,
             None if flight.first_at is None else flight.first_at - flight.sent_at)
 
-    def _place_split(self, need: Need, candidates: list[Engine], now: float) -> Placement | None:
-        """The disaggregation choice among ``candidates`` (decode side) and the
-        prefill engines with room for the prompt; leases what it chose."""
+    def _place_split(self, need: Need, candidates: list[Engine], prefill: Sequence[Engine],
+                     now: float) -> Placement | None:
+        """The disaggregation choice among ``candidates`` (decode side) and ``prefill``
+        (the prefill engines with room for the prompt); leases what it chose."""
         assert self.disagg is not None
         sched = need.sched
-        prefill = self.candidates(sched.model, need.priority, sched.prompt_tokens, prefill=True)
         cached = ({e.id: self.scheduler.index.match(e, sched.blocks, now) * sched.block_size
                    for e in (*candidates, *prefill)} if sched.blocks and sched.block_size else {})
         choice = self.disagg.choose(sched.prompt_tokens, cached, candidates, prefill)

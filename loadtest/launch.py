@@ -54,8 +54,8 @@ class RunningGateway:
         engines = {q.pid for e in self.engine_processes()
                    for q in (e, *e.children(recursive=True))}
         total = 0.0
-        for proc in (psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(
-                recursive=True)):
+        root = psutil.Process(self.proc.pid)
+        for proc in (root, *root.children(recursive=True)):
             if proc.pid in engines:
                 continue
             try:
