@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import aiohttp
 import psutil
@@ -112,12 +113,29 @@ async def test_learned_limits_order_with_speed_fall_when_slowed_and_priority_is_
                 return sum(v for k, v in m.items()
                            if k.startswith("sluice_engine_requests_in_flight{")) == 0
 
+            fitted: tuple[float, dict[str, float]] = (0.0, {})
+
+            async def settled() -> bool:
+                """The fitted models unchanged over at least two metrics scrapes (0.25 s
+                apart): the engines' histograms of the last requests, read at the next
+                scrape after they end, have reached them."""
+                nonlocal fitted
+                m = await scrape(session, gateway.url)
+                now = {k: v for k, v in m.items() if k.startswith(
+                    ("sluice_engine_latency_param{", "sluice_engine_concurrency_limit{"))}
+                at, before = fitted
+                if time.monotonic() - at < 0.5:
+                    return False
+                fitted = (time.monotonic(), now)
+                return now == before
+
             # learned under load, then read with the clients paused and nothing in
             # flight, so the gauge and the capacity report see the same fitted models
             for _ in range(5):
                 await wait_for(learned, 90, "learned limits ordered as the speeds", poll_s=0.25)
                 go.clear()
                 await wait_for(idle, 30, "the requests in flight to finish")
+                await wait_for(settled, 30, "the fitted models to settle", poll_s=0.6)
                 if ordered(await scrape(session, gateway.url)):
                     break
                 go.set()
