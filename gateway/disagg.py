@@ -33,11 +33,14 @@ time ``tokens × kv_bytes_per_token × 8 / (transfer_gbps × 10⁹)``. The TPOT 
 constraint: prefills on a decode engine stall the streams decoding there for as long
 as its prefill backlog lasts, so a local prefill is allowed only while d has no
 request of this gateway in flight, or its backlog including this prompt,
-``wait(d) + uncached(d) × c(d)``, is at most ``max_decode_stall_ms``. The sooner
-allowed option wins (ties: the decode engine with fewer requests in flight), so a
-short prompt, or one already cached on a decode engine, skips the prefill leg, and a
-burst that queues on the prefill engines spills onto decode engines within the
-stall budget. The ``threshold`` policy splits
+``wait(d) + uncached(d) × c(d)``, is at most ``max_decode_stall_ms``. Among the
+allowed options predicted to start within the request's TTFT budget (its band's
+target less the time it waited), a local one wins: it takes only a decode engine's
+spare prefill time, leaving the prefill engines to the prompts that cannot run
+locally; otherwise the sooner allowed option wins (ties: the decode engine with fewer
+requests in flight). So a short prompt, or one already cached on a decode engine,
+skips the prefill leg, and a burst that queues on the prefill engines spills onto
+decode engines within the stall budget. The ``threshold`` policy splits
 exactly the prompts of at least ``threshold_tokens`` (estimated) tokens over the
 same pair the prediction would choose.
 
@@ -46,11 +49,18 @@ speeds), not a learned latency model. With adaptive admission the decode lease h
 a flight in the decode engine's latency ledger like a whole request; a decode leg
 computes none of the prompt there (vLLM counts the loaded tokens as
 ``vllm:external_prefix_cache_hits``, which the latency model does not take for
-prefill), so its TTFT rule counts only the prefill queued ahead of it.
+prefill), so its TTFT rule counts only the prefill queued ahead of it. And with
+adaptive admission the chosen option's TTFT̂ is also the shedding rule
+(:meth:`gateway.placement.Placer._shed_if_late`): a request it predicts to start past
+its TTFT budget is shed (``predicted_miss``) rather than queued behind prefills that
+can still make their targets — once both engines' speeds are observed
+(:attr:`Choice.observed`) and unless the prompt alone (:attr:`Choice.alone_s`) would
+miss the target anyway.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -127,6 +137,10 @@ class PrefillSpeed:
         """Seconds per prefill token on ``engine``."""
         return self.s_per_token.get(engine.id, self.prior_s_per_token)
 
+    def observed(self, engine: Engine) -> bool:
+        """Whether :meth:`c` of ``engine`` is observed rather than the prior."""
+        return engine.id in self.s_per_token
+
     def wait_s(self, engine: Engine) -> float:
         """Predicted wait before a new prefill starts on ``engine``, s."""
         return self.outstanding.get(engine.id, 0) * self.c(engine)
@@ -183,12 +197,18 @@ class Choice:
         ttft_s: the predicted TTFT of this option, s.
         uncached: prompt tokens the first engine must compute (prefill's when
             split), tokens.
+        alone_s: the predicted TTFT of this option with no prefill queued ahead of
+            it, s.
+        observed: the prefill speeds of its engines are observed ones, not the
+            configured prior.
     """
 
     decode: Engine
     prefill: Engine | None
     ttft_s: float
     uncached: int
+    alone_s: float = 0.0
+    observed: bool = False
 
 
 class Disaggregator:
@@ -214,26 +234,31 @@ class Disaggregator:
         return any(role(e) == "prefill" for e in engines)
 
     def choose(self, prompt_tokens: int, cached: Mapping[str, int],
-               decode: Sequence[Engine], prefill: Sequence[Engine]) -> Choice | None:
+               decode: Sequence[Engine], prefill: Sequence[Engine],
+               ttft_budget_s: float = math.inf) -> Choice | None:
         """The option for a request of ``prompt_tokens`` (estimated) tokens.
 
         Args:
             cached: engine id → leading prompt tokens it holds (prefix index).
             decode: candidate engines for a whole request or a decode leg (admitting
                 now); prefill: candidate prefill engines (admitting now).
+            ttft_budget_s: the time left before the request's TTFT target, s
+                (the default, infinite: every option is in time).
 
         Returns None when ``decode`` is empty.
         """
         if not decode:
             return None
         stall_s = self.cfg.max_decode_stall_ms / 1000.0
-        best: tuple[float, int, Choice] | None = None
+        best: tuple[tuple[bool, bool, float, int], Choice] | None = None
 
         def offer(choice: Choice) -> None:
             nonlocal best
-            key = (choice.ttft_s, choice.decode.in_flight, choice)
-            if best is None or key[:2] < best[:2]:
-                best = key
+            on_time = choice.ttft_s <= ttft_budget_s
+            key = (not on_time, on_time and choice.prefill is not None, choice.ttft_s,
+                   choice.decode.in_flight)
+            if best is None or key < best[0]:
+                best = (key, choice)
 
         split_wanted = self.cfg.policy == "predicted" or prompt_tokens >= self.cfg.threshold_tokens
         for d in decode:
@@ -245,7 +270,8 @@ class Disaggregator:
                          or self.cfg.policy == "threshold" and not split_wanted
                          or not prefill)
             if may_local:
-                offer(Choice(d, None, wait_d + local_s, uncached_d))
+                offer(Choice(d, None, wait_d + local_s, uncached_d, local_s,
+                             self.speed.observed(d)))
             if not split_wanted:
                 continue
             moved_s = (prompt_tokens - cached.get(d.id, 0)) * self.transfer_s_per_token
@@ -253,9 +279,10 @@ class Disaggregator:
                 if p is d:
                     continue
                 uncached_p = max(1, prompt_tokens - cached.get(p.id, 0))
-                ttft = (self.speed.wait_s(p) + uncached_p * self.speed.c(p) + moved_s + wait_d)
-                offer(Choice(d, p, ttft, uncached_p))
-        return best[2] if best is not None else None
+                alone = uncached_p * self.speed.c(p) + moved_s
+                offer(Choice(d, p, self.speed.wait_s(p) + alone + wait_d, uncached_p, alone,
+                             self.speed.observed(p) and self.speed.observed(d)))
+        return best[1] if best is not None else None
 
 
 class PrefillLeg:

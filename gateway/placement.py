@@ -33,7 +33,7 @@ from engines.kinds import KINDS
 from engines.plugins import engine_load
 from engines.pool import Engine, EngineLease, EnginePool
 from engines.scheduler import SchedRequest, Scheduler
-from gateway.disagg import Disaggregator, role, serves_whole
+from gateway.disagg import Choice, Disaggregator, role, serves_whole
 from limits.engine_latency import BandDemand, EngineLatency, Flight
 from limits.gradient import GradientLimiter
 from limits.interfaces import Clock
@@ -332,9 +332,13 @@ class Placer:
         sched = need.sched
         cached = ({e.id: self.scheduler.index.match(e, sched.blocks, now) * sched.block_size
                    for e in (*candidates, *prefill)} if sched.blocks and sched.block_size else {})
-        choice = self.disagg.choose(sched.prompt_tokens, cached, candidates, prefill)
+        budget = math.inf if need.arrived is None else (
+            self.slo.target(need.priority).ttft_s - (now - need.arrived))
+        choice = self.disagg.choose(sched.prompt_tokens, cached, candidates, prefill, budget)
         if choice is None:
             return None
+        if self.adaptive.enabled and need.arrived is not None:
+            self._shed_if_late(need, choice, now)
         lease = self.pool.lease(choice.decode, kv_blocks(need.tokens, choice.decode.block_size))
         self.scheduler.record(sched, choice.decode, now)
         scores = {"pd_split": float(choice.prefill is not None),
@@ -349,6 +353,31 @@ class Placer:
                 PRIORITIES.index(need.priority))
             placement.on_release = self._close_flight
         return placement
+
+    def _shed_if_late(self, need: Need, choice: Choice, now: float) -> None:
+        """With adaptive admission, a split model's request whose chosen option — the
+        soonest there is (:meth:`~gateway.disagg.Disaggregator.choose`) — is predicted
+        to start after its TTFT budget (its band's target less the time it already
+        waited) is shed, as :meth:`within_slo` sheds a whole request: served late, it
+        would only delay the prefills queued behind it, which can still make their
+        targets. The rule applies only where the estimate is the gateway's own
+        observation (:attr:`~gateway.disagg.Choice.observed`) and where the request
+        could have met its target with no prefill queued ahead (a prompt too long for
+        the target even alone is served at best effort).
+
+        Raises:
+            Rejected: ``OVERLOADED``, reason ``predicted_miss``.
+        """
+        assert need.arrived is not None
+        target = self.slo.target(need.priority)
+        budget = target.ttft_s - (now - need.arrived)
+        if choice.observed and budget < choice.ttft_s and choice.alone_s <= target.ttft_s:
+            raise Rejected(Outcome.OVERLOADED,
+                           f"this {need.priority} request would start after its "
+                           f"{target.ttft_s:g} s TTFT target (predicted "
+                           f"{choice.ttft_s:.2f} s); shed",
+                           retry_after_s=self.retry_after(need.sched.model),
+                           reason="predicted_miss")
 
     def _lease_prefill(self, need: Need, engine: Engine, now: float) -> EngineLease:
         lease = self.pool.lease(engine, kv_blocks(need.sched.prompt_tokens, engine.block_size))

@@ -1,13 +1,19 @@
 """The gateway's disaggregation choice (``gateway.disagg``): protocol bodies, the
-prefill-speed estimate and the per-request split decision."""
+prefill-speed estimate, the per-request split decision and the shedding of a split
+request predicted to start late."""
 
 from __future__ import annotations
 
 import pytest
 
-from config.schema import DisaggregationConfig, EngineSpec
-from engines.pool import Engine
+from config.schema import AdaptiveConfig, DisaggregationConfig, EnginesConfig, EngineSpec
+from engines.metrics import MetricsSnapshot
+from engines.pool import Engine, EnginePool, EngineState
+from engines.scheduler import SchedRequest, Scheduler
 from gateway.disagg import PREFILL_PARAMS, Disaggregator, PrefillSpeed, decode_body, prefill_body
+from gateway.placement import Need, Placer
+from limits.outcome import Outcome, Rejected
+from limits.saturation import SaturationDetector
 from tests.support import ManualClock
 
 
@@ -82,6 +88,21 @@ def test_predicted_policy_uses_the_decode_engines_cache_and_the_prefill_queue():
     assert d.choose(3000, {}, [busy, eng("d2", "decode")], [p]).decode.id == "d2"
 
 
+def test_within_the_ttft_budget_a_local_prefill_wins_over_a_sooner_split():
+    cfg = DisaggregationConfig(max_decode_stall_ms=200, prefill_tokens_per_s=10_000)
+    d = Disaggregator(cfg)
+    p, busy = eng("p", "prefill"), eng("d", "decode", in_flight=2)
+    d.speed.s_per_token.update(p=5e-5)  # the prefill engine computes twice as fast
+    # 1000 tokens: split 50 ms, local 100 ms (within the stall budget)
+    local = d.choose(1000, {}, [busy], [p], ttft_budget_s=0.5)
+    assert local.prefill is None and local.ttft_s == pytest.approx(0.1)
+    assert d.choose(1000, {}, [busy], [p]).prefill is None  # no target: all in time
+    # a budget only the split meets: split
+    assert d.choose(1000, {}, [busy], [p], ttft_budget_s=0.08).prefill is p
+    # a budget nothing meets: the sooner
+    assert d.choose(1000, {}, [busy], [p], ttft_budget_s=0.01).prefill is p
+
+
 def test_pair_choice_prefers_the_shorter_prefill_queue_then_the_less_busy_decode():
     d = Disaggregator(DisaggregationConfig(policy="threshold", threshold_tokens=1))
     p1, p2 = eng("p1", "prefill"), eng("p2", "prefill")
@@ -139,3 +160,65 @@ def test_track_observes_the_first_token_time_on_the_injected_clock():
     with speed.track(e, 400):
         pass  # no first token: counted out, not observed
     assert speed.outstanding["d"] == 0 and speed.c(e) == pytest.approx(9e-4)
+
+
+def split_placer(clock: ManualClock, decode_in_flight: int = 2):
+    """A Placer over one prefill and one busy decode engine of a split model, with
+    adaptive admission (its ledgers start at the prior: no learned limit yet)."""
+    cfg = EnginesConfig.model_validate({"engines": [
+        {"name": "p", "model": "m", "kind": "sim", "role": "prefill", "kv_connector": "X"},
+        {"name": "d", "model": "m", "kind": "sim", "role": "decode", "kv_connector": "X"}]})
+    p, d = eng("p", "prefill"), eng("d", "decode", in_flight=decode_in_flight)
+    pool = EnginePool([p, d])
+    for e in (p, d):
+        pool.set_state(e, EngineState.READY)
+        pool.set_metrics(e, MetricsSnapshot(at=clock.t, kv_cache_usage=0.1, block_size=16,
+                                            num_blocks=100_000))
+    disagg = Disaggregator(DisaggregationConfig(prefill_tokens_per_s=10_000), clock)
+    placer = Placer(pool=pool, scheduler=Scheduler(cfg.scheduler),
+                    detector=SaturationDetector.from_config(cfg), clock=clock, disagg=disagg,
+                    split_models=frozenset({"m"}), adaptive=AdaptiveConfig())
+    return placer, p, d
+
+
+def test_a_split_request_predicted_to_start_past_its_ttft_budget_is_shed():
+    clock = ManualClock()
+    placer, p, d = split_placer(clock)
+    need = Need(SchedRequest(model="m", tenant="t", prompt_tokens=3000), "interactive",
+                tokens=3100, arrived=clock.t)
+    speed = placer.disagg.speed
+    speed.start(p, 20_000)  # 2 s of prefill queued at the prior 100 µs per token
+    # the prior speed is a guess: served, not shed, however long the queue
+    first = placer.place(need)
+    assert first is not None and first.prefill is not None and first.prefill.engine is p
+    first.release()
+    # observed speeds (100 µs per token): 2.3 s predicted against the 1 s target
+    speed.s_per_token.update(p=1e-4, d=1e-4)
+    with pytest.raises(Rejected) as shed:
+        placer.place(need)
+    assert shed.value.outcome is Outcome.OVERLOADED and shed.value.reason == "predicted_miss"
+    assert (p.in_flight, d.in_flight) == (0, 2)  # nothing leased
+    # once the queue drains to 0.5 s, the same request is placed again
+    speed.done(p, 15_000, 0, None)
+    placed = placer.place(need)
+    assert placed is not None and placed.prefill.engine is p
+    assert placed.scores["pd_predicted_ttft_ms"] == pytest.approx(800.0)
+    placed.release()
+    # a request that waited 0.5 s in the gateway has 0.5 s left: 0.8 s misses it
+    clock.advance(0.5)
+    with pytest.raises(Rejected):
+        placer.place(need)
+
+
+def test_a_prompt_too_long_for_the_target_even_alone_is_served_at_best_effort():
+    clock = ManualClock()
+    placer, p, d = split_placer(clock)
+    placer.disagg.speed.s_per_token.update(p=1e-4, d=1e-4)
+    placer.disagg.speed.start(p, 5_000)
+    # 20,000 tokens alone take 2 s of prefill, past the 1 s target with no queue
+    need = Need(SchedRequest(model="m", tenant="t", prompt_tokens=20_000), "interactive",
+                tokens=20_100, arrived=clock.t)
+    placed = placer.place(need)
+    assert placed is not None and placed.prefill is not None
+    assert placed.scores["pd_predicted_ttft_ms"] == pytest.approx(2500.0)
+    placed.release()
