@@ -561,8 +561,9 @@ class DisaggregationConfig(_Strict):
     ``policy``: ``predicted`` chooses per request from predicted TTFT (prefill wait +
     uncached prefill + KV transfer + decode-engine wait), running the prompt on a
     decode engine instead when that meets the TTFT target (or is sooner) and stalls
-    that engine's running streams by at most ``max_decode_stall_ms``; ``threshold`` splits every prompt of
-    at least ``threshold_tokens`` tokens (the fixed threshold, the baseline).
+    that engine's running streams by at most ``max_decode_stall_ms``; ``threshold``
+    splits every prompt of at least ``threshold_tokens`` tokens (the fixed threshold,
+    the baseline).
     ``max_decode_stall_ms`` bounds the prefill backlog a busy decode engine may take
     on, hence the longest inter-token gap its streams see from local prefills.
     ``kv_bytes_per_token`` (2 × layers × KV heads × head dim × dtype bytes) and

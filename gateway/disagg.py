@@ -207,8 +207,8 @@ class Choice:
     prefill: Engine | None
     ttft_s: float
     uncached: int
-    alone_s: float = 0.0
-    observed: bool = False
+    alone_s: float
+    observed: bool
 
 
 class Disaggregator:

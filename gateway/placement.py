@@ -196,6 +196,13 @@ class Placer:
         hit = self.scheduler.index.match(engine, sched.blocks, now) if sched.blocks else 0
         return max(0, sched.prompt_tokens - hit * sched.block_size)
 
+    def ttft_budget_s(self, need: Need, now: float) -> float:
+        """Time left at clock time ``now`` before ``need``'s TTFT target, s: its band's
+        target less the time since it arrived (infinite when it has no arrival time)."""
+        if need.arrived is None:
+            return math.inf
+        return self.slo.target(need.priority).ttft_s - (now - need.arrived)
+
     def within_slo(self, engines: list[Engine], need: Need, now: float,
                    prefill: Sequence[Engine] = ()) -> list[Engine]:
         """The engines among ``engines`` (candidates of :meth:`candidates`, so ready
@@ -222,7 +229,7 @@ class Placer:
         assert need.arrived is not None
         model, priority = need.sched.model, need.priority
         target = self.slo.target(priority)
-        budget = target.ttft_s - (now - need.arrived)
+        budget = self.ttft_budget_s(need, now)
         z = self.adaptive.confidence_z
         ready = [e for e in self.pool.for_model(model) if e.routable and serves_whole(e)]
         # a request one of the ``prefill`` engines can take computes none of its prompt
@@ -332,13 +339,12 @@ class Placer:
         sched = need.sched
         cached = ({e.id: self.scheduler.index.match(e, sched.blocks, now) * sched.block_size
                    for e in (*candidates, *prefill)} if sched.blocks and sched.block_size else {})
-        budget = math.inf if need.arrived is None else (
-            self.slo.target(need.priority).ttft_s - (now - need.arrived))
+        budget = self.ttft_budget_s(need, now)
         choice = self.disagg.choose(sched.prompt_tokens, cached, candidates, prefill, budget)
         if choice is None:
             return None
-        if self.adaptive.enabled and need.arrived is not None:
-            self._shed_if_late(need, choice, now)
+        if self.adaptive.enabled:
+            self._shed_if_late(need, choice, budget)
         lease = self.pool.lease(choice.decode, kv_blocks(need.tokens, choice.decode.block_size))
         self.scheduler.record(sched, choice.decode, now)
         scores = {"pd_split": float(choice.prefill is not None),
@@ -354,24 +360,24 @@ class Placer:
             placement.on_release = self._close_flight
         return placement
 
-    def _shed_if_late(self, need: Need, choice: Choice, now: float) -> None:
-        """With adaptive admission, a split model's request whose chosen option — the
-        soonest there is (:meth:`~gateway.disagg.Disaggregator.choose`) — is predicted
-        to start after its TTFT budget (its band's target less the time it already
-        waited) is shed, as :meth:`within_slo` sheds a whole request: served late, it
-        would only delay the prefills queued behind it, which can still make their
-        targets. The rule applies only where the estimate is the gateway's own
-        observation (:attr:`~gateway.disagg.Choice.observed`) and where the request
-        could have met its target with no prefill queued ahead (a prompt too long for
-        the target even alone is served at best effort).
+    def _shed_if_late(self, need: Need, choice: Choice, budget_s: float) -> None:
+        """With adaptive admission, a split model's request whose chosen option
+        (:meth:`~gateway.disagg.Disaggregator.choose`; when it is late, none is in time
+        and it is the soonest) is predicted to start after its TTFT budget (its band's
+        target less the time it already waited) is shed, as :meth:`within_slo` sheds a
+        whole request: served late, it would only delay the prefills queued behind it,
+        which can still make their targets. The rule applies only where the estimate
+        is the gateway's own observation (:attr:`~gateway.disagg.Choice.observed`) and
+        where the request could have met its target with no prefill queued ahead (a
+        prompt too long for the target even alone is served at best effort).
+
+        ``budget_s``: :meth:`ttft_budget_s` (infinite: never shed).
 
         Raises:
             Rejected: ``OVERLOADED``, reason ``predicted_miss``.
         """
-        assert need.arrived is not None
         target = self.slo.target(need.priority)
-        budget = target.ttft_s - (now - need.arrived)
-        if choice.observed and budget < choice.ttft_s and choice.alone_s <= target.ttft_s:
+        if choice.observed and budget_s < choice.ttft_s and choice.alone_s <= target.ttft_s:
             raise Rejected(Outcome.OVERLOADED,
                            f"this {need.priority} request would start after its "
                            f"{target.ttft_s:g} s TTFT target (predicted "
