@@ -18,9 +18,13 @@ from tests.support import scrape, wait_for
 pytestmark = pytest.mark.timeout(240)
 
 FAST = 4.0  # simulator speed factor
+SLOW = 1.4  # the speed factor the TGI-dialect engine is slowed to
 SLOTS = 3  # the llama.cpp-dialect engine's --max-num-seqs, reported as total_slots
-# TPOT target 40 ms: the knee (44 + 4 b) / speed ≤ 40 ms is ~29 at speed 4, and no
-# batch meets it at speed 0.5 (tests/integration/test_adaptive.py, same profile). The
+# TPOT target 40 ms: the knee (44 + 4 b) / speed ≤ 40 ms is ~29 at speed 4 and 3 at
+# SLOW (tests/integration/test_adaptive.py, same profile). SLOW still lets one request
+# alone meet the target (34 ms): slower, the engine is served at best effort and has
+# no learned limit to fall (whether the fallback limiter's fall or the refitted model
+# shows first would be a race). The
 # TTFT target and queue wait are long enough that the slowed engine's backlog is served,
 # not shed: the test is about admission, not overload.
 SLO = {"ttft_s": 120.0, "tpot_s": 0.04}
@@ -97,7 +101,7 @@ async def test_limit_follows_observations_and_never_starves(gateway) -> None:
                            poll_s=0.1)
             high = seen["limit"]
             print(f"rose after {done}: {seen}")
-            async with session.post(urls["tgi"] + "/sim/speed", json={"speed": 0.5}) as r:
+            async with session.post(urls["tgi"] + "/sim/speed", json={"speed": SLOW}) as r:
                 assert r.status == 200
             slowed_at = done["tgi-model"]
 
