@@ -189,6 +189,15 @@ async def test_learned_limits_order_with_speed_fall_when_slowed_and_priority_is_
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
 
+        # with no load, a few batch requests (under load the batch band may have
+        # yielded the fast engine's places to the interactive one throughout)
+        async def bulk(i: int) -> int:
+            async with session.post(gateway.url + "/v1/chat/completions",
+                                    json=chat(f"probe {i}", 4), headers=auth("bulk")) as r:
+                await r.read()
+                return r.status
+
+        assert await asyncio.gather(*(bulk(i) for i in range(4))) == [200] * 4
         # the band went to the priority-scheduling engine (batch = 2, interactive = 0)
         # and never to the other, which would have answered 400
         slow_m = await scrape(session, urls[SLOW])
