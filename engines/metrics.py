@@ -260,6 +260,7 @@ class MetricsPoller:
             self._signals(frozenset())
             return None
         url = f"{self.engine.base_url}{self.kind.metrics_path}"
+        in_flight = self.engine.in_flight
         try:
             async with self.session.get(url, timeout=self.timeout) as resp:
                 if resp.status == 404:
@@ -273,7 +274,7 @@ class MetricsPoller:
             log.debug("metrics %s: %r", url, e)
             return None
         self._signals(snapshot.signals)
-        self.pool.set_metrics(self.engine, snapshot)
+        self.pool.set_metrics(self.engine, snapshot, in_flight)
         return snapshot
 
     async def run(self) -> None:

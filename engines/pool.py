@@ -76,8 +76,10 @@ class Engine:
         state: current :class:`EngineState`.
         in_flight: requests this gateway process has sent and not finished.
         metrics: latest snapshot or None before the first scrape.
-        in_flight_at_metrics: ``in_flight`` when ``metrics`` was stored (the part of
-            the engine's reported load that is this process's own).
+        in_flight_at_metrics: the part of the engine's reported load in ``metrics``
+            that is this process's own: ``in_flight`` when the scrape was sent or
+            when it was stored, whichever is larger (a request that ended during the
+            round trip may still be on the page).
         generation: bumped on every (re)start; caches keyed on the engine's content
             (prefix index) drop entries from older generations.
         promised_blocks: KV blocks reserved by in-flight requests (limits' KV budget).
@@ -202,10 +204,13 @@ class EnginePool:
             engine.state = state
             self.notify()
 
-    def set_metrics(self, engine: Engine, snapshot: MetricsSnapshot) -> None:
-        """Store ``snapshot``; its histograms feed the engine's latency model."""
+    def set_metrics(self, engine: Engine, snapshot: MetricsSnapshot,
+                    in_flight_at_send: int = 0) -> None:
+        """Store ``snapshot``; its histograms feed the engine's latency model.
+        ``in_flight_at_send``: ``engine.in_flight`` when the scrape was sent (see
+        :attr:`Engine.in_flight_at_metrics`)."""
         engine.metrics = snapshot
-        engine.in_flight_at_metrics = engine.in_flight
+        engine.in_flight_at_metrics = max(in_flight_at_send, engine.in_flight)
         if engine.latency is not None and snapshot.counters is not None:
             engine.latency.scraped(snapshot.counters)
         self.notify()

@@ -1,17 +1,21 @@
 """The metrics poller and probes against simulated dialects over loopback HTTP: the
 dialect's endpoint and parser, an engine without ``/metrics`` marked unmetered, the
-missing-signals log line, the health and chat-only inference probes."""
+missing-signals log line, the health and chat-only inference probes; the part of
+the reported load that is the gateway's own when a request ends during a scrape."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from engines.health import probe_inference, probe_ready
 from engines.kinds import KINDS
 from engines.metrics import MetricsPoller
+from engines.plugins import engine_load
 from engines.pool import Engine, EnginePool
 from loadtest.sim_engine import SimEngine, get_profile, serve
 from tests.conftest import free_port
@@ -106,3 +110,44 @@ async def test_probes_of_a_chat_only_server_without_health(sim_at) -> None:
         assert await probe_inference(session, url, MODEL, 5.0, "chat")
         dead = f"http://127.0.0.1:{free_port()}"
         assert not await probe_inference(session, dead, MODEL, 1.0)
+
+
+async def test_a_request_that_ends_during_the_scrape_is_not_counted_as_another_clients(
+        ) -> None:
+    """The engine's page is written while this gateway's one request still runs; the
+    request ends before the page arrives. The report's one running request is this
+    gateway's own, not another client's: the engine's load is 0, not 1 (a phantom
+    request that would hold the engine's only slot until the next scrape)."""
+    engine = Engine(id="e", model=MODEL, base_url="")
+    pool = EnginePool([engine])
+    lease = pool.lease(engine)
+    page_written = asyncio.Event()
+    released = asyncio.Event()
+
+    async def metrics(_: web.Request) -> web.Response:
+        text = (f'vllm:num_requests_running{{model_name="{MODEL}"}} 1\n'
+                f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n')
+        page_written.set()
+        await released.wait()
+        return web.Response(text=text)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    engine.base_url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            poller = MetricsPoller(pool, engine, session, interval_s=1, timeout_s=2,
+                                   clock=ManualClock(5.0), kind=KINDS["vllm"])
+            scrape = asyncio.ensure_future(poller.scrape_once())
+            await page_written.wait()
+            lease.release()  # the request ends while the page is on its way
+            released.set()
+            snap = await scrape
+    finally:
+        await runner.cleanup()
+    assert snap is not None and snap.num_running == 1 and engine.in_flight == 0
+    assert engine_load(engine) == 0
