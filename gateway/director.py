@@ -522,7 +522,7 @@ class Director:
             ok = result.outcome is Outcome.OK
             ledger.finished(flight, completion_tokens=result.completion_tokens,
                             prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
-                            ok=ok and req.stream and prefilled is None)
+                            ok=ok and prefilled is None, streamed=req.stream)
             if ok:
                 uncached = flight.uncached_tokens if result.cached_tokens is None \
                     else max(0, result.prompt_tokens - result.cached_tokens)

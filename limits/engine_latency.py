@@ -537,10 +537,18 @@ class EngineLatency:
 
     def finished(self, flight: Flight, *, completion_tokens: int = 0,
                  prompt_tokens: int | None = None, cached_tokens: int | None = None,
-                 ok: bool = True) -> None:
+                 ok: bool = True, streamed: bool = True) -> None:
         """``flight`` ended now (also on error or abort: then ``ok`` is False and
         nothing is learned). ``prompt_tokens`` and ``cached_tokens``: the engine's
-        usage (``usage.prompt_tokens_details.cached_tokens``) when it reports them."""
+        usage (``usage.prompt_tokens_details.cached_tokens``) when it reports them.
+
+        ``streamed`` False: the answer came whole, so it has no TTFT or TPOT of its
+        own and the model learns nothing from it (the engine's histograms still
+        reach it, :meth:`scraped`); its time per output token, prefill and queue
+        included, bounds its TPOT from above and is the fallback controller's delay
+        signal (conservative: it reads a long prompt as slow decoding). Without it a
+        non-streaming workload on an engine that exports no latency histograms would
+        leave the fallback limit at its initial value for good."""
         if flight not in self.flights:
             return
         now = self.clock.now()
@@ -551,6 +559,11 @@ class EngineLatency:
         else:
             self.decoding -= 1
         if not ok or flight.first_at is None:
+            return
+        if not streamed:
+            if completion_tokens > 0:
+                self.gradient.observe((now - flight.sent_at) / completion_tokens,
+                                      flight.tpot_target_s, self.in_flight + 1)
             return
         ttft = flight.first_at - flight.sent_at
         own = flight.uncached_tokens

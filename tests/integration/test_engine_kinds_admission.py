@@ -2,7 +2,9 @@
 ``sluice serve``: a TGI-dialect simulator (running/waiting only) whose learned limit
 rises above the fixed starting point of 4 while it is fast and falls when it is slowed
 at run time (``POST /sim/speed``), still serving; and a llama.cpp-dialect simulator
-whose reported slots (``GET /props`` ``total_slots``) cap this gateway's requests on it."""
+whose reported slots (``GET /props`` ``total_slots``) cap this gateway's requests on it;
+and the learned limit of a TGI-dialect simulator serving non-streamed requests only
+(answers that come whole: no TTFT or TPOT of their own) rising all the same."""
 
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ SLO = {"ttft_s": 120.0, "tpot_s": 0.04}
 def gateway(tmp_path_factory: pytest.TempPathFactory):
     engines = [{**sim_engine("t", model="tgi-model", speed=FAST), "dialect": "tgi"},
                {**sim_engine("l", model="llama-model", speed=FAST,
-                             args=["--max-num-seqs", str(SLOTS)]), "dialect": "llamacpp"}]
+                             args=["--max-num-seqs", str(SLOTS)]), "dialect": "llamacpp"},
+               {**sim_engine("w", model="whole-model", speed=FAST), "dialect": "tgi"}]
     cfg = write_config(
         tmp_path_factory.mktemp("unmetered"), tenants=[tenant("t")], engines=engines,
         gateway={"slo": {"interactive": SLO, "standard": SLO, "batch": SLO},
@@ -49,13 +52,13 @@ def gauge(m: dict[str, float], name: str, engine: str, model: str) -> float:
 
 
 async def test_limit_follows_observations_and_never_starves(gateway) -> None:
-    urls = {}  # simulator URL by dialect, from the supervisor's process tree
+    urls = {}  # simulator URL by model, from the supervisor's process tree
     for child in psutil.Process(gateway.proc.pid).children(recursive=True):
         cmd = child.cmdline()
         if "loadtest.sim_engine" in cmd:
-            urls[cmd[cmd.index("--dialect") + 1]] = \
+            urls[cmd[cmd.index("--model") + 1]] = \
                 f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
-    assert set(urls) == {"tgi", "llamacpp"}, urls
+    assert set(urls) == {"tgi-model", "llama-model", "whole-model"}, urls
     done: dict[str, int] = {"tgi-model": 0, "llama-model": 0}
     errors: list[int] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -101,7 +104,7 @@ async def test_limit_follows_observations_and_never_starves(gateway) -> None:
                            poll_s=0.1)
             high = seen["limit"]
             print(f"rose after {done}: {seen}")
-            async with session.post(urls["tgi"] + "/sim/speed", json={"speed": SLOW}) as r:
+            async with session.post(urls["tgi-model"] + "/sim/speed", json={"speed": SLOW}) as r:
                 assert r.status == 200
             slowed_at = done["tgi-model"]
 
@@ -124,3 +127,37 @@ async def test_limit_follows_observations_and_never_starves(gateway) -> None:
     assert not errors, errors
     assert done["tgi-model"] > slowed_at and done["llama-model"] > 0
     print(f"limit rose to {high}, fell to {low}; served {done}")
+
+
+async def test_limit_rises_on_whole_answers(gateway) -> None:
+    """Non-streaming clients only, on an engine without latency histograms: the
+    fallback limiter reads each answer's time per output token, so the limit leaves
+    its starting point of 4 and is used."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        statuses: list[int] = []
+
+        async def client(i: int) -> None:
+            while True:
+                body = chat(f"{i} the river runs to the sea", 24, model="whole-model")
+                async with session.post(gateway.url + "/v1/chat/completions", json=body,
+                                        headers=auth("t")) as r:
+                    assert (await r.json())["usage"]["completion_tokens"] > 0
+                    statuses.append(r.status)
+
+        workers = [asyncio.create_task(client(i)) for i in range(16)]
+        seen = {"limit": 0.0, "in_flight": 0.0}
+        try:
+            async def rose() -> bool:
+                m = await scrape(session, gateway.url)
+                for k, name in (("limit", "sluice_engine_concurrency_limit"),
+                                ("in_flight", "sluice_engine_requests_in_flight")):
+                    seen[k] = max(seen[k], gauge(m, name, "w", "whole-model"))
+                return seen["limit"] >= 8 and seen["in_flight"] >= 8
+
+            await wait_for(rose, 90, "the limit to rise to twice its start and be used",
+                           poll_s=0.1)
+        finally:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+    assert statuses and set(statuses) == {200}, statuses

@@ -298,6 +298,32 @@ def test_ledger_learns_batch_and_prefill_from_flights() -> None:
     assert len(eng.drain_errors()) == 1 and eng.drain_errors() == []
 
 
+def _whole_answers(eng: EngineLatency, clock: FakeClock, e2e_s: float, n: int) -> None:
+    """``n`` rounds of 8 concurrent non-streamed requests of 16 output tokens each
+    answered whole after ``e2e_s``."""
+    for _ in range(n):
+        flights = [eng.sent(100, 100, 0.1) for _ in range(8)]
+        clock.t += e2e_s
+        for f in flights:
+            eng.first_token(f)  # the proxy's callback: the whole answer arrived
+            eng.finished(f, completion_tokens=16, streamed=False)
+
+
+def test_whole_answers_move_the_fallback_limit_and_teach_the_model_nothing() -> None:
+    clock = FakeClock()
+    fast = EngineLatency(LatencyModel(), clock)
+    start = fast.gradient.limit
+    # 16 tokens in 0.16 s: at most 10 ms per token against a 100 ms target
+    _whole_answers(fast, clock, 0.16, 20)
+    assert fast.gradient.limit > start + 10
+    assert fast.model.ttft.samples == 0 and fast.model.tpot.samples == 0
+    assert fast.drain_errors() == [] and fast.in_flight == 0 and fast.decoding == 0
+    slow = EngineLatency(LatencyModel(), clock)
+    slow.gradient.limit = 32.0
+    _whole_answers(slow, clock, 3.2, 20)  # 200 ms per token: twice the target
+    assert slow.gradient.limit < 16
+
+
 def test_interval_observations_from_the_engines_histograms() -> None:
     a = EngineCounters(at=10.0, load=6, running=5, itl_sum_s=1.0, itl_count=20,
                        prefill_sum_s=2.0, prefill_count=4, computed_tokens=800,
