@@ -29,9 +29,9 @@ def engine_load(engine: Engine) -> int:
     """Requests on ``engine``: this gateway's in-flight count (exact and current) plus
     the other clients' requests in the engine's last report (its running + waiting
     less this gateway's share of it, :attr:`~engines.pool.Engine.in_flight_at_metrics`;
-    up to one metrics interval old). Taking the report whole would hold a slot this gateway's finished
-    request left until the next scrape; adding it whole would count this gateway's
-    requests twice."""
+    up to one metrics interval old). Taking the report whole would hold a slot this
+    gateway's finished request left until the next scrape; adding it whole would count
+    this gateway's requests twice."""
     m = engine.metrics
     others = m.num_running + m.num_waiting - engine.in_flight_at_metrics if m else 0
     return engine.in_flight + max(0, others)
