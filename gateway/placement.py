@@ -153,7 +153,8 @@ class Placer:
                 LatencyModel(forgetting=self.adaptive.forgetting,
                              min_samples=self.adaptive.min_samples,
                              max_rel_error=self.adaptive.max_rel_error),
-                self.clock, z=self.adaptive.confidence_z, gradient=self._gradient(engine))
+                self.clock, z=self.adaptive.confidence_z, gradient=self._gradient(engine),
+                name=engine.id)
 
     def _gradient(self, engine: Engine) -> GradientLimiter | None:
         """The fallback limiter of an engine whose dialect reports no KV-cache usage

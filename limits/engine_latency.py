@@ -85,6 +85,7 @@ counters feeds it from the requests the gateway sees end.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,6 +94,8 @@ from limits.drain_rate import DrainRate
 from limits.gradient import GradientLimiter
 from limits.interfaces import Clock
 from limits.latency_model import LatencyModel, Prediction
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -403,10 +406,12 @@ class EngineLatency:
         clock: monotonic time, s.
         z: conservatism of decisions, standard deviations (default 1).
         gradient: the fallback limiter (default :class:`GradientLimiter` ()).
+        name: the engine's id, for the log line on entering and leaving best effort.
     """
 
     def __init__(self, model: LatencyModel, clock: Clock, *, z: float = 1.0,
-                 gradient: GradientLimiter | None = None) -> None:
+                 gradient: GradientLimiter | None = None, name: str = "") -> None:
+        self.name = name
         self.model = model
         self.clock = clock
         self.z = z
@@ -429,16 +434,15 @@ class EngineLatency:
         effort here: the model is trusted and ``TPOT̂(1) + z σ`` (one request alone, the
         knee's own test at a batch of 1) exceeds the target, or exceeded it and has not
         yet fallen under :data:`BEST_EFFORT_EXIT` × the target (module docstring)."""
-        if not self.model.confident:
-            self._best_effort.discard(tpot_target_s)
-            return False
-        alone = self.model.tpot_alone_s(self.z)
-        bound = tpot_target_s * (BEST_EFFORT_EXIT if tpot_target_s in self._best_effort else 1.0)
-        if alone > bound:
-            self._best_effort.add(tpot_target_s)
-            return True
-        self._best_effort.discard(tpot_target_s)
-        return False
+        was = tpot_target_s in self._best_effort
+        alone = self.model.tpot_alone_s(self.z) if self.model.confident else None
+        now = alone is not None and alone > tpot_target_s * (BEST_EFFORT_EXIT if was else 1.0)
+        if now != was:
+            (self._best_effort.add if now else self._best_effort.discard)(tpot_target_s)
+            log.info("engine %s: TPOT target %g ms %s best effort (TPOT^(1) + %g sd = %s)",
+                     self.name, tpot_target_s * 1000, "served at" if now else "leaves",
+                     self.z, "untrusted" if alone is None else f"{alone * 1000:.1f} ms")
+        return now
 
     def mode(self, tpot_target_s: float) -> str:
         """The controller that admits requests of TPOT target ``tpot_target_s`` (s):

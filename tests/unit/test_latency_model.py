@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import random
 
@@ -236,8 +237,9 @@ def test_an_engine_whose_mean_meets_the_target_alone_but_not_its_bound_is_best_e
     assert eng0.best_effort(0.1)
 
 
-def test_best_effort_ends_only_well_under_the_target() -> None:
-    eng = EngineLatency(fitted(), FakeClock(), z=0.0)
+def test_best_effort_ends_only_well_under_the_target(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="limits.engine_latency")
+    eng = EngineLatency(fitted(), FakeClock(), z=0.0, name="e1")
 
     def alone_ms(ms: float) -> bool:  # the engine slowed so that TPOT̂(1) = ms
         slowed(eng.model, ms / 1000 / eng.model.predict_tpot(1, 0.0).mean)
@@ -248,6 +250,10 @@ def test_best_effort_ends_only_well_under_the_target() -> None:
     assert alone_ms(97)  # under the target now, but within 10 % of it
     assert not alone_ms(85)
     assert not alone_ms(97)  # from below: the target rules
+    # each change of mode logged once, with the engine and the figure that decided it
+    assert [r.getMessage() for r in caplog.records] == [
+        "engine e1: TPOT target 100 ms served at best effort (TPOT^(1) + 0 sd = 110.0 ms)",
+        "engine e1: TPOT target 100 ms leaves best effort (TPOT^(1) + 0 sd = 85.0 ms)"]
     # an untrusted model is never best effort: the fallback limiter rules
     assert not EngineLatency(LatencyModel(), FakeClock()).best_effort(1e-6)
     assert EngineLatency(LatencyModel(), FakeClock()).mode(1e-6) == "gradient"
