@@ -438,7 +438,10 @@ class EngineLatency:
         alone = self.model.tpot_alone_s(self.z) if self.model.confident else None
         now = alone is not None and alone > tpot_target_s * (BEST_EFFORT_EXIT if was else 1.0)
         if now != was:
-            (self._best_effort.add if now else self._best_effort.discard)(tpot_target_s)
+            if now:
+                self._best_effort.add(tpot_target_s)
+            else:
+                self._best_effort.discard(tpot_target_s)
             log.info("engine %s: TPOT target %g ms %s best effort (TPOT^(1) + %g sd = %s)",
                      self.name, tpot_target_s * 1000, "served at" if now else "leaves",
                      self.z, "untrusted" if alone is None else f"{alone * 1000:.1f} ms")

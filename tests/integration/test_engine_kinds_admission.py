@@ -135,14 +135,16 @@ async def test_limit_rises_on_whole_answers(gateway) -> None:
     its starting point of 4 and is used."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         statuses: list[int] = []
+        completion_tokens: list[int] = []
 
         async def client(i: int) -> None:
             while True:
                 body = chat(f"{i} the river runs to the sea", 24, model="whole-model")
                 async with session.post(gateway.url + "/v1/chat/completions", json=body,
                                         headers=auth("t")) as r:
-                    assert (await r.json())["usage"]["completion_tokens"] > 0
                     statuses.append(r.status)
+                    if r.status == 200:
+                        completion_tokens.append((await r.json())["usage"]["completion_tokens"])
 
         workers = [asyncio.create_task(client(i)) for i in range(16)]
         seen = {"limit": 0.0, "in_flight": 0.0}
@@ -161,3 +163,4 @@ async def test_limit_rises_on_whole_answers(gateway) -> None:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
     assert statuses and set(statuses) == {200}, statuses
+    assert min(completion_tokens) > 0
