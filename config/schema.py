@@ -569,7 +569,11 @@ class DisaggregationConfig(_Strict):
     ``kv_bytes_per_token`` (2 × layers × KV heads × head dim × dtype bytes) and
     ``transfer_gbps`` give the predicted transfer time (None: not counted).
     ``prefill_tokens_per_s`` is each engine's prefill speed until the gateway has
-    observed it.
+    observed it. ``prefill_hold_tokens``: prompt tokens outstanding on a prefill engine
+    (sent, not yet past their first token) from which further legs wait at the gateway
+    and leave shortest first within the deadlines (``gateway.prefill_queue``); the
+    engines' ``--max-num-batched-tokens`` (vLLM's default for large GPUs, 8192) keeps
+    every engine step full.
     """
 
     policy: Literal["predicted", "threshold"] = "predicted"
@@ -580,6 +584,9 @@ class DisaggregationConfig(_Strict):
     transfer_gbps: float = Field(100.0, gt=0, description="KV transfer bandwidth, Gbit/s")
     prefill_tokens_per_s: float = Field(
         10_000.0, gt=0, description="prior prefill speed per engine, tokens/s")
+    prefill_hold_tokens: int = Field(
+        8192, ge=1, description="prompt tokens outstanding on a prefill engine from which "
+                                "the gateway holds further prefill legs")
 
 
 class EnginesConfig(_Strict):

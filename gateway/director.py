@@ -30,6 +30,7 @@ from gateway.disagg import Disaggregator, PrefillLeg
 from gateway.keys import RECORD, TENANT
 from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_request
 from gateway.placement import Need, Placement, Placer
+from gateway.prefill_queue import LegShed
 from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
 from gateway.record import RequestRecord
 from gateway.tracing import Spans, inject_traceparent
@@ -146,7 +147,7 @@ class Director:
         self._degradation: dict[str, DegradationConfig] = {
             m: cfg.engines.model_settings(m).degradation for m in queues}
         self.spans = spans or Spans(None)
-        self.prefill_leg = PrefillLeg(client, disagg.speed, self.spans)
+        self.prefill_leg = PrefillLeg(client, disagg, self.spans)
         self.prompts = prompts or PromptBlocks(cfg.engines, pool)
         #: models whose every engine accepts vLLM's ``cache_salt``
         self._salted = _salted_models(cfg.engines)
@@ -441,7 +442,16 @@ class Director:
             try:
                 req, prefilled = await self.prefill_leg.run(
                     self.placer.prefill_attempts(first, need, self.cfg.gateway.retry_attempts),
-                    req, request, rec.request_id, first.uncached)
+                    req, request, rec.request_id, first.uncached, first.start_by,
+                    first.sheddable)
+            except LegShed as e:
+                first.release()
+                target = self.slo.target(tenant.priority).ttft_s
+                raise Rejected(Outcome.OVERLOADED,
+                               f"this {tenant.priority} request's prefill could not start "
+                               f"within its {target:g} s TTFT target any more; shed",
+                               retry_after_s=queue.retry_after_s(),
+                               reason="predicted_miss") from e
             except asyncio.CancelledError:
                 rec.prompt_tokens = req.prompt_tokens  # the prefill engine computed it
                 first.release()

@@ -27,7 +27,9 @@ a decode engine d, from an explicit prediction of TTFT, s::
 
 where ``uncached(e)`` is the prompt less the leading blocks the prefix index says
 ``e`` holds, ``wait(e)`` = ``c(e)`` × the prompt tokens this gateway has sent to ``e``
-that have not produced their first token yet (the prefill queue), ``c(e)`` the
+that have not produced their first token yet (the prefill queue) — on a prefill
+engine plus the legs held at the gateway that are no longer than this one
+(:meth:`gateway.prefill_queue.PrefillQueue.wait_s`: they leave before it) — ``c(e)`` the
 engine's observed seconds per prefill token (:class:`PrefillSpeed`), and transfer
 time ``tokens × kv_bytes_per_token × 8 / (transfer_gbps × 10⁹)``. The TPOT side is a
 constraint: prefills on a decode engine stall the streams decoding there for as long
@@ -72,6 +74,7 @@ from opentelemetry.trace import SpanKind
 from config.schema import DisaggregationConfig
 from engines.pool import Engine, EngineLease
 from gateway.openai_api import InferenceRequest
+from gateway.prefill_queue import PrefillQueue
 from gateway.proxy import EngineClient, UpstreamFailed
 from gateway.tracing import Spans, inject_traceparent
 from limits.clock import MONOTONIC
@@ -224,6 +227,9 @@ class Disaggregator:
                  clock: Clock = MONOTONIC) -> None:
         self.cfg = cfg
         self.speed = PrefillSpeed(1.0 / cfg.prefill_tokens_per_s, clock)
+        #: split requests' prefill legs held at the gateway, per prefill engine
+        self.queue = PrefillQueue(self.speed.outstanding, self.speed.c, clock,
+                                  hold_tokens=cfg.prefill_hold_tokens)
         bits = (cfg.kv_bytes_per_token or 0) * 8
         #: predicted transfer time per token, s
         self.transfer_s_per_token = bits / (cfg.transfer_gbps * 1e9)
@@ -280,36 +286,44 @@ class Disaggregator:
                     continue
                 uncached_p = max(1, prompt_tokens - cached.get(p.id, 0))
                 alone = uncached_p * self.speed.c(p) + moved_s
-                offer(Choice(d, p, self.speed.wait_s(p) + alone + wait_d, uncached_p, alone,
+                offer(Choice(d, p, self.queue.wait_s(p, uncached_p) + alone + wait_d,
+                             uncached_p, alone,
                              self.speed.observed(p) and self.speed.observed(d)))
         return best[1] if best is not None else None
 
 
 class PrefillLeg:
-    """Runs split requests' prefill legs and keeps :class:`PrefillSpeed` up to date.
+    """Runs split requests' prefill legs, each through the prefill engine's
+    :class:`~gateway.prefill_queue.PrefillQueue`, and keeps :class:`PrefillSpeed` up to
+    date.
 
     Args:
         client: the gateway's engine client.
-        speed: the estimates the choice reads.
+        disagg: the choice whose estimates and queue the legs use.
         spans: tracing.
     """
 
-    def __init__(self, client: EngineClient, speed: PrefillSpeed, spans: Spans) -> None:
+    def __init__(self, client: EngineClient, disagg: Disaggregator, spans: Spans) -> None:
         self.client = client
-        self.speed = speed
+        self.speed = disagg.speed
+        self.queue = disagg.queue
         self.spans = spans
 
     async def run(self, attempts: Iterable[EngineLease], req: InferenceRequest,
-                  request: web.Request, request_id: str,
-                  uncached: int) -> tuple[InferenceRequest, Engine | None]:
+                  request: web.Request, request_id: str, uncached: int,
+                  start_by: float = math.inf,
+                  sheddable: bool = False) -> tuple[InferenceRequest, Engine | None]:
         """Run ``req``'s prefill leg on the first of ``attempts`` (prefill leases,
         :meth:`gateway.placement.Placer.prefill_attempts`), on the next after a
         retryable failure. Returns the decode leg's request (the client's body plus
         the returned ``kv_transfer_params``) and the engine that prefilled; or the
         client's request and None when every attempt failed, so the decode engine
-        prefills itself. Each lease is released when its leg ends.
+        prefills itself. Each lease is released when its leg ends. ``start_by`` (clock
+        time, s) and ``sheddable``: the leg's latest start and whether it is shed past
+        it while held (:class:`~gateway.prefill_queue.PrefillQueue`).
 
         Raises:
+            LegShed: the leg was held past its latest start and shed.
             Rejected: the engine rejected the request (4xx).
             asyncio.CancelledError: the client went away; the leg's connection is
                 closed, which aborts it on the engine.
@@ -317,7 +331,8 @@ class PrefillLeg:
         for lease in attempts:
             with lease:
                 try:
-                    leg = await self._send(lease.engine, req, request, request_id, uncached)
+                    leg = await self._send(lease.engine, req, request, request_id, uncached,
+                                           start_by, sheddable)
                 except UpstreamFailed as e:
                     if e.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
                         lease.engine.breaker.record(False)
@@ -329,15 +344,27 @@ class PrefillLeg:
         return req, None
 
     async def _send(self, engine: Engine, req: InferenceRequest, request: web.Request,
-                    request_id: str, uncached: int) -> InferenceRequest:
+                    request_id: str, uncached: int, start_by: float,
+                    sheddable: bool) -> InferenceRequest:
         leg = replace(req, body=prefill_body(req.body), stream=False, client_usage=False)
+        with self.spans("queue.prefill"):
+            counted = await self.queue.admit(engine, uncached, start_by, sheddable)
         with self.spans("upstream.prefill", kind=SpanKind.CLIENT) as span:
             span.set_attribute("sluice.engine", engine.id)
             upstream = {"x-request-id": request_id}
             if self.spans.enabled:
                 inject_traceparent(upstream)
-            with self.speed.track(engine, uncached) as first_token:
-                result = await self.client.send(engine, leg, request, {}, upstream,
-                                                first_token)
+            try:
+                with self.speed.track(engine, uncached) as first_token:
+                    counted()
+
+                    def computed() -> None:
+                        first_token()
+                        self.queue.release(engine.id)
+                    result = await self.client.send(engine, leg, request, {}, upstream,
+                                                    computed)
+            finally:
+                counted()
+                self.queue.release(engine.id)
         params = (result.answer or {}).get("kv_transfer_params")
         return replace(req, body=decode_body(req.body, params if isinstance(params, dict) else None))

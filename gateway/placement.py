@@ -52,7 +52,10 @@ class Placement:
     idempotent, so the admission queue's undo and the exit may both run.
 
     A split request also holds ``prefill``, the lease on its prefill engine (the
-    prompt's blocks), until its prefill leg ends; ``uncached`` is the prompt tokens
+    prompt's blocks), until its prefill leg ends, and its leg's latest start
+    ``start_by`` (clock time, s: placement + TTFT budget − the option's time alone) and
+    whether it is shed past it while held (``sheddable``:
+    :class:`gateway.prefill_queue.PrefillQueue`); ``uncached`` is the prompt tokens
     the first engine is predicted to compute. With adaptive admission, ``flight`` is
     the request's entry in the engine's latency ledger and ``on_release`` closes it
     (once, on the first :meth:`release`).
@@ -65,6 +68,8 @@ class Placement:
     prefix_tokens: dict[str, int] = field(default_factory=dict)
     flight: Flight | None = None
     on_release: Callable[[Placement], None] | None = None
+    start_by: float = math.inf
+    sheddable: bool = False
 
     @property
     def engine(self) -> Engine:
@@ -172,6 +177,7 @@ class Placer:
         ledger leaves with it)."""
         if self.disagg is not None:
             self.disagg.speed.forget(engine.id)
+            self.disagg.queue.forget(engine.id)
 
     def candidates(self, model: str, priority: Priority, tokens: int,
                    exclude: frozenset[str] = frozenset(), *,
@@ -353,6 +359,9 @@ class Placer:
         placement = Placement(lease, scores, uncached=choice.uncached)
         if choice.prefill is not None:
             placement.prefill = self._lease_prefill(need, choice.prefill, now)
+            placement.start_by = now + budget - choice.alone_s
+            placement.sheddable = (self.adaptive.enabled and choice.observed
+                                   and choice.alone_s <= self.slo.target(need.priority).ttft_s)
         if choice.decode.latency is not None:  # the decode engine's ledger holds it
             local = choice.uncached if choice.prefill is None else 0  # a leg: KV loaded
             placement.flight = choice.decode.latency.sent(

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from config.schema import Config, EnginesConfig, GatewayConfig, TenantsConfig
 from gateway.disagg import PREFILL_PARAMS
+from gateway.keys import DIRECTOR
 from loadtest.sim_engine import SimEngine, get_profile
 from loadtest.sim_engine.disagg import SimConnector
 from loadtest.sim_engine.server import create_app
@@ -247,3 +248,71 @@ async def test_a_multi_sequence_request_is_not_split():
             await r.read()
             assert "x-sluice-prefill-engine" not in r.headers
         assert p.received == [] and len(d.received) == 1
+
+
+async def test_prefill_legs_held_at_the_gateway_go_shortest_first():
+    """Beyond ``prefill_hold_tokens`` outstanding on the prefill engine, legs wait at
+    the gateway and leave shortest first (first come, first served would send the
+    long one that arrived first)."""
+    longer = " ".join(f"item{i} in another long prompt" for i in range(250))  # ~1,500 tokens
+    short = " ".join(f"word{i} of a prompt" for i in range(60))  # ~300 tokens
+    async with fleet(["prefill", "decode"], speed=5.0,
+                     disaggregation={"policy": "threshold", "threshold_tokens": 256,
+                                     "prefill_hold_tokens": 1}) as (gw, (p, d), _):
+        queue = gw.app[DIRECTOR].placer.disagg.queue
+
+        def held() -> int:
+            return sum(len(legs) for legs in queue.held.values())
+
+        async def ask(text: str) -> int:
+            body = {**CHAT, "messages": [{"role": "user", "content": text}]}
+            async with await gw.post("/v1/chat/completions", body) as r:
+                await r.read()
+                return r.status
+
+        first = asyncio.create_task(ask(LONG))
+        await wait_for(lambda: len(p.received) == 1)  # computing on the prefill engine
+        behind = [asyncio.create_task(ask(longer))]
+        await wait_for(lambda: held() == 1)
+        behind.append(asyncio.create_task(ask(short)))
+        await wait_for(lambda: held() == 2)
+        assert await asyncio.gather(first, *behind) == [200, 200, 200]
+        order = [b["messages"][0]["content"] for b in p.received]
+        assert order == [LONG, short, longer]
+        await wait_for(lambda: idle(gw), 10)
+
+
+async def test_a_held_leg_past_its_latest_start_is_shed_with_an_openai_error():
+    """With adaptive admission, a leg still held at the gateway when its TTFT target
+    can no longer be met is answered 503 ``predicted_miss`` with ``Retry-After``; the
+    request computing ahead of it is served."""
+    other = " ".join(f"item{i} in another long prompt" for i in range(250))
+    async with fleet(["prefill", "decode"], speed=0.5,
+                     disaggregation={"policy": "threshold", "threshold_tokens": 256,
+                                     "prefill_hold_tokens": 1}) as (gw, (p, d), _):
+        disagg = gw.app[DIRECTOR].placer.disagg
+        # observed speeds that predict both legs in time (the simulated prefill of
+        # ~1,500 tokens takes ~3.6 s at speed 0.5, past the 2 s standard target)
+        disagg.speed.s_per_token.update({e.id: 1e-5 for e in gw.pool.engines})
+
+        async def ask(text: str):
+            body = {**CHAT, "messages": [{"role": "user", "content": text}]}
+            async with await gw.post("/v1/chat/completions", body) as r:
+                return r.status, r.headers.get("Retry-After"), await r.read()
+
+        first = asyncio.create_task(ask(LONG))
+        await wait_for(lambda: len(p.received) == 1)
+        behind = asyncio.create_task(ask(other))
+        await wait_for(lambda: sum(len(v) for v in disagg.queue.held.values()) == 1)
+        status, _, _ = await first
+        assert status == 200
+        status, retry_after, raw = await behind
+        assert status == 503 and retry_after is not None and float(retry_after) > 0
+        error = json.loads(raw)["error"]
+        assert error["code"] == "overloaded" and "TTFT target" in error["message"]
+        assert len(p.received) == 1  # the shed leg never reached the engine
+        m = await gateway_metrics(gw)
+        shed = {dict(k[1]).get("reason"): v for k, v in m.items()
+                if k[0] == "sluice_rejected_total"}
+        assert shed == {"overloaded:predicted_miss": 1}
+        await wait_for(lambda: idle(gw), 10)

@@ -1,0 +1,197 @@
+"""The gateway's queue of prefill legs per prefill engine: legs beyond one step's
+worth of prefill outstanding on the engine wait here, and leave in an order that
+serves short prompts first without making a leg that would have started in time
+start late.
+
+Why: an engine serves its waiting requests first come, first served (vLLM's default
+``--scheduling-policy fcfs``), so in a burst a 200-token prompt waits behind every
+long prompt sent before it. Shortest processing time first minimises the mean wait
+of a single server (Smith's rule, Naval Research Logistics Quarterly 3, 1956); held
+to deadlines, it must not cost a leg its start. So the engine gets legs only while
+it has fewer than ``hold_tokens`` prompt tokens outstanding (sent and not yet past
+their first token; default vLLM's ``max_num_batched_tokens`` of 8192 for large GPUs,
+``vllm/engine/arg_utils.py``, so that every engine step can still be filled), and
+each release picks, among the held legs:
+
+1. the schedule of the held legs in order of their latest start (EDF; Liu & Layland,
+   JACM 1973), starting after the engine's outstanding work, gives each leg's start
+   and slack (latest start less start); the legs that start in time there are
+   protected, and so are those already past their latest start (at best effort, not
+   shed: with slack 0, so that nothing overtakes them and none starves);
+2. the leg released is the shortest (fewest tokens; then the earliest held) whose
+   prefill time is at most the least slack of the protected legs ahead of it in that
+   schedule: going first delays exactly those legs by its prefill time, so every
+   protected leg still starts in time. The first leg of the schedule always
+   qualifies, so the queue never stalls.
+
+A held leg past its latest start, when it may be shed (the estimate is observed and
+the prompt alone could meet its target), is shed: served, it would miss its TTFT
+target and delay the legs behind it, which can still make theirs.
+
+Times are the injected clock's, s; prefill time per token is the engine's observed
+:class:`gateway.disagg.PrefillSpeed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engines.pool import Engine
+from limits.interfaces import Clock
+
+#: vLLM's ``max_num_batched_tokens`` default for GPUs with ≥ 70 GiB
+#: (``vllm/engine/arg_utils.py``, ``_get_default_max_num_seqs_and_batched_tokens``).
+DEFAULT_HOLD_TOKENS = 8192
+
+
+class LegShed(Exception):
+    """A held leg was shed: it could no longer start in time (``args[0]``: how late
+    it already was, s)."""
+
+
+@dataclass(eq=False)
+class HeldLeg:
+    """One prefill leg waiting at the gateway.
+
+    Attributes:
+        tokens: prompt tokens the prefill engine computes.
+        start_by: the latest clock time it may start and meet its TTFT target, s.
+        sheddable: whether it is shed once past ``start_by``.
+        seq: order of arrival in the queue.
+        released: resolved when the leg may be sent (an exception: it was shed).
+    """
+
+    tokens: int
+    start_by: float
+    sheddable: bool
+    seq: int
+    released: asyncio.Future[None] = field(repr=False)
+
+
+def pick(held: list[HeldLeg], now: float, backlog_s: float,
+         s_per_token: float) -> HeldLeg:
+    """The leg to release next among ``held`` (non-empty): the module docstring's
+    rule, for an engine whose outstanding prefill ends ``backlog_s`` after ``now``
+    (s) at ``s_per_token`` seconds per token. O(n log n) in the held legs."""
+    edf = sorted(held, key=lambda h: (h.start_by, h.seq))
+    least_slack = float("inf")  # over the protected legs ahead of position i
+    allowed: dict[int, float] = {}  # id(leg) → the delay the legs ahead of it allow
+    t = now + backlog_s
+    for h in edf:
+        allowed[id(h)] = least_slack
+        if h.start_by < now:  # already late: served in order
+            least_slack = 0.0
+        elif t <= h.start_by:
+            least_slack = min(least_slack, h.start_by - t)
+        t += h.tokens * s_per_token
+    for h in sorted(held, key=lambda h: (h.tokens, h.seq)):
+        if h.tokens * s_per_token <= allowed[id(h)]:
+            return h
+    return edf[0]  # unreachable: edf[0] has nothing ahead of it
+
+
+class PrefillQueue:
+    """Held prefill legs per engine (module docstring).
+
+    Args:
+        outstanding: engine → prompt tokens sent to it and not yet past their first
+            token (:attr:`gateway.disagg.PrefillSpeed.outstanding`).
+        s_per_token: engine → its seconds per prefill token.
+        clock: monotonic time, s.
+        hold_tokens: outstanding tokens from which legs are held.
+    """
+
+    def __init__(self, outstanding: dict[str, int], s_per_token: Callable[[Engine], float],
+                 clock: Clock, *, hold_tokens: int = DEFAULT_HOLD_TOKENS) -> None:
+        self.outstanding = outstanding
+        self.s_per_token = s_per_token
+        self.clock = clock
+        self.hold_tokens = hold_tokens
+        self.held: dict[str, list[HeldLeg]] = {}
+        self._engines: dict[str, Engine] = {}
+        self._reserved: dict[str, int] = {}  # released, not yet sent: tokens
+        self._seq = itertools.count()
+
+    def _load(self, engine_id: str) -> int:
+        return self.outstanding.get(engine_id, 0) + self._reserved.get(engine_id, 0)
+
+    def wait_s(self, engine: Engine, tokens: int) -> float:
+        """Predicted wait before a new leg of ``tokens`` starts on ``engine``, s: the
+        outstanding prefill plus the held legs no longer than it (they leave before
+        it; longer ones leave after it unless their deadline forces them ahead)."""
+        ahead = self._load(engine.id) + sum(
+            h.tokens for h in self.held.get(engine.id, ()) if h.tokens <= tokens)
+        return ahead * self.s_per_token(engine)
+
+    async def admit(self, engine: Engine, tokens: int, start_by: float = float("inf"),
+                    sheddable: bool = False) -> Callable[[], None]:
+        """Wait until a leg of ``tokens`` may be sent to ``engine``; returns the
+        callback to call once the leg's prefill is counted as outstanding (or it
+        ended), which frees its place in the release.
+
+        Raises:
+            LegShed: the leg was shed (past its latest start).
+            asyncio.CancelledError: the caller was cancelled (the leg leaves the
+                queue).
+        """
+        held = self.held.setdefault(engine.id, [])
+        self._engines[engine.id] = engine
+        if not held and self._load(engine.id) < self.hold_tokens:
+            return self._reserve(engine.id, tokens)
+        leg = HeldLeg(tokens, start_by, sheddable, next(self._seq),
+                      asyncio.get_running_loop().create_future())
+        held.append(leg)
+        try:
+            await leg.released
+        except asyncio.CancelledError:
+            if leg in held:
+                held.remove(leg)
+            elif leg.released.done() and not leg.released.cancelled():
+                self._unreserve(engine.id, tokens)  # released as we were cancelled
+            raise
+        return self._reserve(engine.id, tokens, taken=True)
+
+    def _reserve(self, engine_id: str, tokens: int, taken: bool = False) -> Callable[[], None]:
+        if not taken:
+            self._reserved[engine_id] = self._reserved.get(engine_id, 0) + tokens
+        done = False
+
+        def sent() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self._unreserve(engine_id, tokens)
+        return sent
+
+    def _unreserve(self, engine_id: str, tokens: int) -> None:
+        self._reserved[engine_id] = max(0, self._reserved.get(engine_id, 0) - tokens)
+        self.release(engine_id)
+
+    def release(self, engine_id: str) -> None:
+        """Release held legs of ``engine_id`` while it has room (call whenever its
+        outstanding prefill falls), shedding those past their latest start."""
+        held = self.held.get(engine_id)
+        if not held:
+            return
+        engine = self._engines[engine_id]
+        now = self.clock.now()
+        for leg in [h for h in held if h.sheddable and h.start_by < now]:
+            held.remove(leg)
+            leg.released.set_exception(LegShed(now - leg.start_by))
+        c = self.s_per_token(engine)
+        while held and self._load(engine_id) < self.hold_tokens:
+            leg = pick(held, now, self._load(engine_id) * c, c)
+            held.remove(leg)
+            self._reserved[engine_id] = self._reserved.get(engine_id, 0) + leg.tokens
+            leg.released.set_result(None)
+
+    def forget(self, engine_id: str) -> None:
+        """An engine left the pool: its held legs are released (their attempt fails
+        there and moves on)."""
+        for leg in self.held.pop(engine_id, []):
+            leg.released.set_result(None)
+        self._reserved.pop(engine_id, None)
+        self._engines.pop(engine_id, None)
