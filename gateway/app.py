@@ -190,7 +190,8 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     metrics.registry.register(FleetCollector(
         pool=app[POOL], queues=app[QUEUES], metrics=metrics, store=app[STORE],
         limiter=app[LIMITER], tpot_target_s=tightest_tpot_s,
-        desired_engines=lambda m: app[DIRECTOR].capacity.desired_engines(m) if DIRECTOR in app else None))
+        desired_engines=lambda m: app[DIRECTOR].capacity.desired_engines(m) if DIRECTOR in app else None,
+        prefill_held=lambda: app[DIRECTOR].placer.disagg.queue.held if DIRECTOR in app else {}))
     app[OBSERVERS] = ([metrics.observe] if obs.metrics else []) + (
         [log_access] if obs.access_log else [])
     app[SPANS], app[TRACER_PROVIDER] = make_tracer(obs, span_exporter)

@@ -15,7 +15,7 @@ similar 10 ms – 2.5 s range, vllm/v1/metrics/loggers.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -194,13 +194,17 @@ class FleetCollector(Collector):
             reported concurrency limit).
         desired_engines: model → engines its arrival rate needs (the capacity model),
             or None when unknown (before start-up or before any request finished).
+        prefill_held: engine id → the prefill legs held at the gateway for it
+            (:attr:`gateway.prefill_queue.PrefillQueue.held`).
     """
 
     def __init__(self, *, pool: EnginePool, queues: Mapping[str, AdmissionQueue[Any]],
                  metrics: GatewayMetrics, store: CounterStore, limiter: RateLimiter,
                  tpot_target_s: float = 0.1,
-                 desired_engines: Callable[[str], float | None] = lambda m: None) -> None:
+                 desired_engines: Callable[[str], float | None] = lambda m: None,
+                 prefill_held: Callable[[], Mapping[str, Sized]] = dict) -> None:
         self.pool, self.queues, self.metrics, self.store = pool, queues, metrics, store
+        self.prefill_held = prefill_held
         self.limiter = limiter
         self.tpot_target_s = tpot_target_s
         self.desired_engines = desired_engines
@@ -318,7 +322,15 @@ class FleetCollector(Collector):
                                   "Tenant concurrency slots this process holds.")
         reservations.add_metric([], self.limiter.open_reservations)
         slots.add_metric([], self.limiter.held_slots)
+        held = GaugeMetricFamily(
+            "sluice_prefill_legs_held", "Prefill legs of split requests waiting at the "
+            "gateway for room on this prefill engine (gateway.prefill_queue).",
+            labels=["engine", "model"])
+        legs = self.prefill_held()
+        for e in self.pool.engines:
+            if e.id in legs:
+                held.add_metric([e.id, e.model], len(legs[e.id]))
         yield from (up, kv, running, waiting, in_flight, promised, restarts, breaker, prefix,
-                    signals, depth, queued, failovers, reservations, slots)
+                    signals, depth, queued, failovers, reservations, slots, held)
         yield from self._adaptive()
         yield from self._cost()

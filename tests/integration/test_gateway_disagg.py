@@ -276,6 +276,9 @@ async def test_prefill_legs_held_at_the_gateway_go_shortest_first():
         await wait_for(lambda: held() == 1)
         behind.append(asyncio.create_task(ask(short)))
         await wait_for(lambda: held() == 2)
+        m = await gateway_metrics(gw)
+        assert m[("sluice_prefill_legs_held",
+                  (("engine", "prefill0"), ("model", MODEL)))] == 2
         assert await asyncio.gather(first, *behind) == [200, 200, 200]
         order = [b["messages"][0]["content"] for b in p.received]
         assert order == [LONG, short, longer]
