@@ -26,6 +26,10 @@ LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CACHE      := $(HOME)/.cache/sluice/llama.cpp/$(LLAMA_CPP_PYTHON)
 LLAMA_SERVER     := $(LLAMA_CACHE)/bin/llama-server
 LLAMA_JOBS       ?= $(shell nproc)
+# -march=native turns on llama.cpp's AMX kernels on CPUs that have AMX (Sapphire Rapids
+# and newer), and this version's crash at the first matrix multiply
+# (ggml_backend_amx_mul_mat, SIGSEGV, seen on such a CPU): build without them on x86-64.
+LLAMA_NO_AMX     := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
 
 # the browser stamp unless SKIP_BROWSER is set
 BROWSER := $(if $(SKIP_BROWSER),,$(VENV)/.browser)
@@ -70,7 +74,7 @@ $(LLAMA_SERVER): | $(BIN)/python
 	cmake -S $(LLAMA_CACHE)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp \
 	  -B $(LLAMA_CACHE)/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
 	  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-	  -DLLAMA_BUILD_SERVER=ON
+	  -DLLAMA_BUILD_SERVER=ON -DCMAKE_C_FLAGS="$(LLAMA_NO_AMX)" -DCMAKE_CXX_FLAGS="$(LLAMA_NO_AMX)"
 	cmake --build $(LLAMA_CACHE)/build --target llama-server -j $(LLAMA_JOBS)
 	mkdir -p $(LLAMA_CACHE)/bin
 	cp $(LLAMA_CACHE)/build/bin/llama-server $@.tmp && mv $@.tmp $@

@@ -25,8 +25,9 @@ each release picks, among the held legs:
    qualifies, so the queue never stalls.
 
 A held leg past its latest start, when it may be shed (the estimate is observed and
-the prompt alone could meet its target), is shed: served, it would miss its TTFT
-target and delay the legs behind it, which can still make theirs.
+the prompt alone could meet its target), is shed at the next release (a prefill on
+the engine reached its first token or ended): served, it would miss its TTFT target
+and delay the legs behind it, which can still make theirs.
 
 Times are the injected clock's, s; prefill time per token is the engine's observed
 :class:`gateway.disagg.PrefillSpeed`.
@@ -76,21 +77,19 @@ def pick(held: list[HeldLeg], now: float, backlog_s: float,
     """The leg to release next among ``held`` (non-empty): the module docstring's
     rule, for an engine whose outstanding prefill ends ``backlog_s`` after ``now``
     (s) at ``s_per_token`` seconds per token. O(n log n) in the held legs."""
-    edf = sorted(held, key=lambda h: (h.start_by, h.seq))
-    least_slack = float("inf")  # over the protected legs ahead of position i
-    allowed: dict[int, float] = {}  # id(leg) → the delay the legs ahead of it allow
+    least_slack = float("inf")  # over the protected legs ahead in the schedule
+    allowed: dict[HeldLeg, float] = {}  # the delay the legs ahead of a leg allow, s
     t = now + backlog_s
-    for h in edf:
-        allowed[id(h)] = least_slack
+    for h in sorted(held, key=lambda h: (h.start_by, h.seq)):
+        allowed[h] = least_slack
         if h.start_by < now:  # already late: served in order
             least_slack = 0.0
         elif t <= h.start_by:
             least_slack = min(least_slack, h.start_by - t)
         t += h.tokens * s_per_token
-    for h in sorted(held, key=lambda h: (h.tokens, h.seq)):
-        if h.tokens * s_per_token <= allowed[id(h)]:
-            return h
-    return edf[0]  # unreachable: edf[0] has nothing ahead of it
+    # the schedule's first leg is allowed any delay, so one always qualifies
+    return min((h for h in held if h.tokens * s_per_token <= allowed[h]),
+               key=lambda h: (h.tokens, h.seq))
 
 
 class PrefillQueue:
@@ -140,7 +139,8 @@ class PrefillQueue:
         held = self.held.setdefault(engine.id, [])
         self._engines[engine.id] = engine
         if not held and self._load(engine.id) < self.hold_tokens:
-            return self._reserve(engine.id, tokens)
+            self._reserved[engine.id] = self._reserved.get(engine.id, 0) + tokens
+            return self._placed(engine.id, tokens)
         leg = HeldLeg(tokens, start_by, sheddable, next(self._seq),
                       asyncio.get_running_loop().create_future())
         held.append(leg)
@@ -152,11 +152,10 @@ class PrefillQueue:
             elif leg.released.done() and not leg.released.cancelled():
                 self._unreserve(engine.id, tokens)  # released as we were cancelled
             raise
-        return self._reserve(engine.id, tokens, taken=True)
+        return self._placed(engine.id, tokens)  # release() reserved its place
 
-    def _reserve(self, engine_id: str, tokens: int, taken: bool = False) -> Callable[[], None]:
-        if not taken:
-            self._reserved[engine_id] = self._reserved.get(engine_id, 0) + tokens
+    def _placed(self, engine_id: str, tokens: int) -> Callable[[], None]:
+        """The callback that frees the place reserved for a leg of ``tokens``."""
         done = False
 
         def sent() -> None:
@@ -176,6 +175,7 @@ class PrefillQueue:
         held = self.held.get(engine_id)
         if not held:
             return
+        held[:] = [h for h in held if not h.released.done()]  # cancelled, not yet gone
         engine = self._engines[engine_id]
         now = self.clock.now()
         for leg in [h for h in held if h.sheddable and h.start_by < now]:

@@ -133,6 +133,19 @@ async def test_a_cancelled_leg_leaves_the_queue_and_frees_its_place():
     assert f.sent == [600, 200]
 
 
+async def test_a_release_right_after_a_cancel_skips_the_cancelled_leg():
+    f = Fleet(hold_tokens=500)
+    await f.send(600)
+    gone = asyncio.create_task(f.send(100))
+    after = asyncio.create_task(f.send(200))
+    await settle()
+    gone.cancel()  # its waiter has not run yet when the engine frees up
+    f.computed(600)
+    await after
+    assert f.sent == [600, 200] and gone.cancelled()
+    assert f.queue.wait_s(f.e, 1) == pytest.approx(200 * C)
+
+
 async def test_a_leg_cancelled_as_it_is_released_returns_its_place():
     f = Fleet(hold_tokens=500)
     await f.send(600)
