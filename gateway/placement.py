@@ -418,7 +418,7 @@ class Placer:
                                      frozenset(tried), prefill=True)
             if not others:
                 return
-            best = min(others, key=self.disagg.speed.wait_s)
+            best = min(others, key=lambda e: self.disagg.queue.wait_s(e, placement.uncached))
             lease = placement.prefill = self._lease_prefill(need, best, self.clock.now())
 
     @contextmanager
