@@ -53,7 +53,7 @@ computes none of the prompt there (vLLM counts the loaded tokens as
 ``vllm:external_prefix_cache_hits``, which the latency model does not take for
 prefill), so its TTFT rule counts only the prefill queued ahead of it. And with
 adaptive admission the chosen option's TTFT̂ is also the shedding rule
-(:meth:`gateway.placement.Placer._shed_if_late`): a request it predicts to start past
+(:meth:`gateway.placement.Placer._sheddable`): a request it predicts to start past
 its TTFT budget is shed (``predicted_miss``) rather than queued behind prefills that
 can still make their targets — once both engines' speeds are observed
 (:attr:`Choice.observed`) and unless the prompt alone (:attr:`Choice.alone_s`) would
@@ -267,6 +267,10 @@ class Disaggregator:
                 best = (key, choice)
 
         split_wanted = self.cfg.policy == "predicted" or prompt_tokens >= self.cfg.threshold_tokens
+        legs: dict[str, tuple[int, float]] = {}  # prefill engine → its tokens, its wait (s)
+        for p in prefill if split_wanted else ():
+            n = max(1, prompt_tokens - cached.get(p.id, 0))
+            legs[p.id] = (n, self.queue.wait_s(p, n))
         for d in decode:
             wait_d = self.speed.wait_s(d)
             uncached_d = max(1, prompt_tokens - cached.get(d.id, 0))
@@ -284,10 +288,9 @@ class Disaggregator:
             for p in prefill:
                 if p is d:
                     continue
-                uncached_p = max(1, prompt_tokens - cached.get(p.id, 0))
+                uncached_p, wait_p = legs[p.id]
                 alone = uncached_p * self.speed.c(p) + moved_s
-                offer(Choice(d, p, self.queue.wait_s(p, uncached_p) + alone + wait_d,
-                             uncached_p, alone,
+                offer(Choice(d, p, wait_p + alone + wait_d, uncached_p, alone,
                              self.speed.observed(p) and self.speed.observed(d)))
         return best[1] if best is not None else None
 
@@ -360,11 +363,11 @@ class PrefillLeg:
 
                     def computed() -> None:
                         first_token()
-                        self.queue.release(engine.id)
+                        self.queue.release(engine)
                     result = await self.client.send(engine, leg, request, {}, upstream,
                                                     computed)
             finally:
                 counted()
-                self.queue.release(engine.id)
+                self.queue.release(engine)
         params = (result.answer or {}).get("kv_transfer_params")
         return replace(req, body=decode_body(req.body, params if isinstance(params, dict) else None))

@@ -350,8 +350,9 @@ class Placer:
         choice = self.disagg.choose(sched.prompt_tokens, cached, candidates, prefill, budget)
         if choice is None:
             return None
-        if self.adaptive.enabled:
-            self._shed_if_late(need, choice, budget)
+        sheddable = self._sheddable(need, choice)
+        if sheddable and budget < choice.ttft_s:
+            self._shed(need, choice)
         lease = self.pool.lease(choice.decode, kv_blocks(need.tokens, choice.decode.block_size))
         self.scheduler.record(sched, choice.decode, now)
         scores = {"pd_split": float(choice.prefill is not None),
@@ -360,8 +361,7 @@ class Placer:
         if choice.prefill is not None:
             placement.prefill = self._lease_prefill(need, choice.prefill, now)
             placement.start_by = now + budget - choice.alone_s
-            placement.sheddable = (self.adaptive.enabled and choice.observed
-                                   and choice.alone_s <= self.slo.target(need.priority).ttft_s)
+            placement.sheddable = sheddable
         if choice.decode.latency is not None:  # the decode engine's ledger holds it
             local = choice.uncached if choice.prefill is None else 0  # a leg: KV loaded
             placement.flight = choice.decode.latency.sent(
@@ -370,30 +370,34 @@ class Placer:
             placement.on_release = self._close_flight
         return placement
 
-    def _shed_if_late(self, need: Need, choice: Choice, budget_s: float) -> None:
-        """With adaptive admission, a split model's request whose chosen option
-        (:meth:`~gateway.disagg.Disaggregator.choose`; when it is late, none is in time
-        and it is the soonest) is predicted to start after its TTFT budget (its band's
-        target less the time it already waited) is shed, as :meth:`within_slo` sheds a
-        whole request: served late, it would only delay the prefills queued behind it,
-        which can still make their targets. The rule applies only where the estimate
-        is the gateway's own observation (:attr:`~gateway.disagg.Choice.observed`) and
-        where the request could have met its target with no prefill queued ahead (a
-        prompt too long for the target even alone is served at best effort).
+    def _sheddable(self, need: Need, choice: Choice) -> bool:
+        """Whether a split model's request on ``choice`` is shed once predicted to
+        start after its TTFT budget (its band's target less the time it already
+        waited; at placement, and for its prefill leg while held at the gateway), as
+        :meth:`within_slo` sheds a whole request: served late, it would only delay the
+        prefills queued behind it, which can still make their targets. Only with
+        adaptive admission, where the estimate is the gateway's own observation
+        (:attr:`~gateway.disagg.Choice.observed`), and where the request could have met
+        its target with no prefill queued ahead (a prompt too long for the target even
+        alone is served at best effort)."""
+        return (self.adaptive.enabled and choice.observed
+                and choice.alone_s <= self.slo.target(need.priority).ttft_s)
 
-        ``budget_s``: :meth:`ttft_budget_s` (infinite: never shed).
+    def _shed(self, need: Need, choice: Choice) -> None:
+        """Shed a request whose chosen option (when it is late, none is in time and
+        it is the soonest: :meth:`~gateway.disagg.Disaggregator.choose`) is predicted
+        to start after its TTFT budget (:meth:`_sheddable`).
 
         Raises:
             Rejected: ``OVERLOADED``, reason ``predicted_miss``.
         """
         target = self.slo.target(need.priority)
-        if choice.observed and budget_s < choice.ttft_s and choice.alone_s <= target.ttft_s:
-            raise Rejected(Outcome.OVERLOADED,
-                           f"this {need.priority} request would start after its "
-                           f"{target.ttft_s:g} s TTFT target (predicted "
-                           f"{choice.ttft_s:.2f} s); shed",
-                           retry_after_s=self.retry_after(need.sched.model),
-                           reason="predicted_miss")
+        raise Rejected(Outcome.OVERLOADED,
+                       f"this {need.priority} request would start after its "
+                       f"{target.ttft_s:g} s TTFT target (predicted "
+                       f"{choice.ttft_s:.2f} s); shed",
+                       retry_after_s=self.retry_after(need.sched.model),
+                       reason="predicted_miss")
 
     def _lease_prefill(self, need: Need, engine: Engine, now: float) -> EngineLease:
         lease = self.pool.lease(engine, kv_blocks(need.sched.prompt_tokens, engine.block_size))

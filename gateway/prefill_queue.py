@@ -110,7 +110,6 @@ class PrefillQueue:
         self.clock = clock
         self.hold_tokens = hold_tokens
         self.held: dict[str, list[HeldLeg]] = {}
-        self._engines: dict[str, Engine] = {}
         self._reserved: dict[str, int] = {}  # released, not yet sent: tokens
         self._seq = itertools.count()
 
@@ -137,10 +136,9 @@ class PrefillQueue:
                 queue).
         """
         held = self.held.setdefault(engine.id, [])
-        self._engines[engine.id] = engine
         if not held and self._load(engine.id) < self.hold_tokens:
             self._reserved[engine.id] = self._reserved.get(engine.id, 0) + tokens
-            return self._placed(engine.id, tokens)
+            return self._placed(engine, tokens)
         leg = HeldLeg(tokens, start_by, sheddable, next(self._seq),
                       asyncio.get_running_loop().create_future())
         held.append(leg)
@@ -150,11 +148,11 @@ class PrefillQueue:
             if leg in held:
                 held.remove(leg)
             elif leg.released.done() and not leg.released.cancelled():
-                self._unreserve(engine.id, tokens)  # released as we were cancelled
+                self._unreserve(engine, tokens)  # released as we were cancelled
             raise
-        return self._placed(engine.id, tokens)  # release() reserved its place
+        return self._placed(engine, tokens)  # release() reserved its place
 
-    def _placed(self, engine_id: str, tokens: int) -> Callable[[], None]:
+    def _placed(self, engine: Engine, tokens: int) -> Callable[[], None]:
         """The callback that frees the place reserved for a leg of ``tokens``."""
         done = False
 
@@ -162,21 +160,21 @@ class PrefillQueue:
             nonlocal done
             if not done:
                 done = True
-                self._unreserve(engine_id, tokens)
+                self._unreserve(engine, tokens)
         return sent
 
-    def _unreserve(self, engine_id: str, tokens: int) -> None:
-        self._reserved[engine_id] = max(0, self._reserved.get(engine_id, 0) - tokens)
-        self.release(engine_id)
+    def _unreserve(self, engine: Engine, tokens: int) -> None:
+        self._reserved[engine.id] = max(0, self._reserved.get(engine.id, 0) - tokens)
+        self.release(engine)
 
-    def release(self, engine_id: str) -> None:
-        """Release held legs of ``engine_id`` while it has room (call whenever its
+    def release(self, engine: Engine) -> None:
+        """Release held legs of ``engine`` while it has room (call whenever its
         outstanding prefill falls), shedding those past their latest start."""
+        engine_id = engine.id
         held = self.held.get(engine_id)
         if not held:
             return
         held[:] = [h for h in held if not h.released.done()]  # cancelled, not yet gone
-        engine = self._engines[engine_id]
         now = self.clock.now()
         for leg in [h for h in held if h.sheddable and h.start_by < now]:
             held.remove(leg)
@@ -194,4 +192,3 @@ class PrefillQueue:
         for leg in self.held.pop(engine_id, []):
             leg.released.set_result(None)
         self._reserved.pop(engine_id, None)
-        self._engines.pop(engine_id, None)

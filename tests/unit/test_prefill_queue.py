@@ -9,7 +9,7 @@ import pytest
 
 from engines.pool import Engine
 from gateway.prefill_queue import HeldLeg, LegShed, PrefillQueue, pick
-from tests.support import ManualClock
+from tests.support import ManualClock, wait_for
 
 C = 1e-4  # s per prefill token: 1,000 tokens take 0.1 s
 
@@ -77,12 +77,11 @@ class Fleet:
     def computed(self, tokens: int) -> None:
         """A sent leg reached its first token."""
         self.outstanding["p"] -= tokens
-        self.queue.release("p")
+        self.queue.release(self.e)
 
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
+    def held(self) -> list[int]:
+        """The tokens of the legs held for the engine, in arrival order."""
+        return [h.tokens for h in self.queue.held.get("p", [])]
 
 
 async def test_legs_beyond_the_hold_wait_and_leave_shortest_first():
@@ -91,12 +90,12 @@ async def test_legs_beyond_the_hold_wait_and_leave_shortest_first():
     await f.send(400)  # 900 outstanding < 1000: sent at once
     assert f.sent == [900, 400]
     waiting = [asyncio.create_task(f.send(n)) for n in (2000, 700, 100)]
-    await settle()
-    assert f.sent == [900, 400] and len(f.queue.held["p"]) == 3
+    await wait_for(lambda: f.held() == [2000, 700, 100])
+    assert f.sent == [900, 400]
     # a new 300-token leg waits behind the outstanding 1,300 and the held 100
     assert f.queue.wait_s(f.e, 300) == pytest.approx((1300 + 100) * C)
     f.computed(900)  # 400 outstanding: the shortest legs go while under the hold
-    await settle()
+    await wait_for(lambda: len(f.sent) == 4)
     assert f.sent[2:] == [100, 700]  # 400 + 100 + 700 = 1,200: 2,000 stays
     f.computed(400)  # 800 outstanding
     await asyncio.gather(*waiting)
@@ -109,7 +108,7 @@ async def test_a_held_leg_past_its_latest_start_is_shed_when_sheddable():
     await f.send(600)
     doomed = asyncio.create_task(f.send(300, start_by=0.5))
     kept = asyncio.create_task(f.send(300, start_by=0.5, sheddable=False))
-    await settle()
+    await wait_for(lambda: f.held() == [300, 300])
     f.clock.advance(1.0)
     f.computed(600)
     with pytest.raises(LegShed) as shed:
@@ -126,11 +125,10 @@ async def test_a_cancelled_leg_leaves_the_queue_and_frees_its_place(settled):
     await f.send(600)
     gone = asyncio.create_task(f.send(100))
     after = asyncio.create_task(f.send(200))
-    await settle()
+    await wait_for(lambda: f.held() == [100, 200])
     gone.cancel()
     if settled:  # its waiter took it out of the queue
-        await settle()
-        assert [h.tokens for h in f.queue.held["p"]] == [200]
+        await wait_for(lambda: f.held() == [200])
     f.computed(600)  # else the release finds it cancelled and still queued
     await after
     assert f.sent == [600, 200] and gone.cancelled()
@@ -142,10 +140,11 @@ async def test_a_leg_cancelled_as_it_is_released_returns_its_place():
     await f.send(600)
     gone = asyncio.create_task(f.send(100))
     later = asyncio.create_task(f.send(450))
-    await settle()
+    await wait_for(lambda: f.held() == [100, 450])
     f.computed(600)  # releases 100 (shortest) and 450 (100 < 500) at once
     gone.cancel()  # before its waiter runs
-    await settle()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
     await later
     assert f.sent == [600, 450]
     assert f.queue.wait_s(f.e, 1) == pytest.approx(450 * C)  # no place left reserved
