@@ -45,6 +45,16 @@ class DrainRate:
         span = max(self._min_span_s, now - self._first)
         return self._decayed(now) / -math.expm1(-span / self._tau_s)
 
+    def restart(self, rate: float, now: float) -> None:
+        """Make the estimate read ``rate`` (events/s) at ``now`` (s) and decay from
+        there: the average restarted at a detected change of the rate, instead of
+        taking ``tau_s`` to reach the new level."""
+        if self._first is None:
+            self._first = now
+        span = max(self._min_span_s, now - self._first)
+        self._value = rate * -math.expm1(-span / self._tau_s)
+        self._at = now
+
     def _decayed(self, now: float) -> float:
         return self._value * math.exp(-max(0.0, now - self._at) / self._tau_s)
 

@@ -42,7 +42,9 @@ largest batch whose TPOT̂ meets the tightest target. While the model is not tru
 becomes ``in flight < limit``.
 
 Best effort: when the trusted model cannot promise a TPOT target even to one request
-alone (``TPOT̂(1) + z σ`` above it: the knee's own test at a batch of 1 fails), no
+alone (``TPOT̂(1) + z σ`` above it: the knee's own test at a batch of 1 fails, and the
+fit has seen the engine decode at a batch of about one within its memory, so that
+TPOT̂(1) is measured rather than extrapolated from a busy engine's batches), no
 admission can give a request of that target its SLO on this engine; holding requests
 back to a limit of 1, or shedding them, would only lose throughput. Such requests are
 admitted by the engine's capacity signals alone (slots, KV watermark and blocks,
@@ -155,6 +157,11 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
     return Verdict(ok, ttft, tpot, None if ok else "tpot")
 
 
+#: Standard deviations of Poisson noise by which the fast arrival-rate estimate must
+#: exceed the slow one to count as a surge (:meth:`BandDemand.rates`): a steady load
+#: reads as one about one time in forty.
+SURGE_Z = 2.0
+
 #: Probability, at most, that a request of an urgent band waits for a place past its
 #: slack (:meth:`BandDemand.urgent_free`): one in a hundred.
 URGENT_MISS = 0.01
@@ -172,8 +179,9 @@ class BandDemand:
         bands: band names, most urgent first.
         tau_s: time constant of the arrival rates, s (default 10).
         fast_tau_s: time constant of a second, faster estimate of each rate, s
-            (default 2.5); :meth:`urgent_free` takes the larger of the two, so the
-            places for an urgent band open within seconds of its surge.
+            (default 2.5); while it reads a surge (:meth:`rates`), :meth:`urgent_free`
+            and :meth:`occupancy_through` take the larger of the two, so the places
+            for an urgent band open within seconds of its surge.
         alpha: EWMA weight of a new service time or TTFT (default 0.1).
     """
 
@@ -181,6 +189,7 @@ class BandDemand:
                  fast_tau_s: float = 2.5, alpha: float = 0.1) -> None:
         self.clock = clock
         self.bands = list(bands)
+        self._tau_s, self._fast_tau_s = tau_s, fast_tau_s
         self._rate = {b: DrainRate(tau_s) for b in self.bands}
         self._fast = {b: DrainRate(fast_tau_s) for b in self.bands}
         self._service = dict.fromkeys(self.bands, 0.0)
@@ -208,26 +217,52 @@ class BandDemand:
         """Arrivals of ``band`` per second."""
         return self._rate[band].rate(self.clock.now())
 
-    def occupancy(self, band: str, *, fast: bool = False) -> float:
-        """``λ × S`` of ``band``: requests of it in service on average; ``fast``: with
-        the larger of the slow and fast rate estimates (a surge reads within
-        seconds)."""
-        now = self.clock.now()
-        rate = self._rate[band].rate(now)
-        if fast:
-            rate = max(rate, self._fast[band].rate(now))
-        return rate * self._service[band]
+    def occupancy(self, band: str) -> float:
+        """``λ × S`` of ``band``: requests of it in service on average."""
+        return self._rate[band].rate(self.clock.now()) * self._service[band]
 
     def total_occupancy(self) -> float:
         """Summed occupancy of every band: requests in service on average."""
         return sum(self.occupancy(b) for b in self.bands)
 
+    def rates(self, bands: Sequence[str]) -> dict[str, float]:
+        """Arrival rates of ``bands``, per second: the slow estimates, or each band's
+        larger of its slow and fast estimates while the bands together surge.
+
+        A surge is the fast estimate of the summed rate above the slow one by more
+        than :data:`SURGE_Z` standard deviations of their difference under a steady
+        Poisson rate ``λ`` (the slow sum): the two exponential-kernel estimators
+        (time constants ``τf``, ``τs``) of one Poisson process differ with variance
+        ``λ (1/(2τf) + 1/(2τs) − 2/(τf + τs))`` (Campbell's theorem applied to the
+        difference of their kernels). Below that the fast estimate is Poisson noise,
+        about ±30 % at 1 request/s: taking the larger of two noisy estimates would
+        read every chance cluster of arrivals as a surge and hold back capacity that
+        the long-run load leaves free. A doubling of the load shows within about
+        two seconds at the default time constants. A surge also restarts each band's
+        slow estimate at that larger one (:meth:`DrainRate.restart`: an average
+        restarted at a detected change), so the long-run reading stays at the new
+        level when the fast one next dips, rather than taking ``τs`` to get there:
+        the burst rule of :func:`decide` trusts it, and a lagging reading let the
+        fleet fill past its knees in the seconds after a surge's first cluster."""
+        now = self.clock.now()
+        slow = {b: self._rate[b].rate(now) for b in bands}
+        fast = {b: self._fast[b].rate(now) for b in bands}
+        lam = sum(slow.values())
+        tf, ts = self._fast_tau_s, self._tau_s
+        spread = math.sqrt(max(0.0, lam * (1 / (2 * tf) + 1 / (2 * ts) - 2 / (tf + ts))))
+        if sum(fast.values()) - lam <= SURGE_Z * spread:
+            return slow
+        rates = {b: max(slow[b], fast[b]) for b in bands}
+        for b, rate in rates.items():
+            self._rate[b].restart(rate, now)
+        return rates
+
     def occupancy_through(self, band: str) -> float:
-        """Summed occupancy of ``band`` and the bands more urgent, each with the larger
-        of its slow and fast rates: what will hold the engines in the long run when
-        the less urgent bands yield to them (:meth:`urgent_free`); a surge reads within
-        seconds."""
-        return sum(self.occupancy(b, fast=True) for b in self.bands[:self.bands.index(band) + 1])
+        """Summed occupancy of ``band`` and the bands more urgent, at their
+        :meth:`rates` (a surge reads within seconds): what will hold the engines in
+        the long run when the less urgent bands yield to them (:meth:`urgent_free`)."""
+        rates = self.rates(self.bands[:self.bands.index(band) + 1])
+        return sum(r * self._service[b] for b, r in rates.items())
 
     def urgent_free(self, band: str, places: float, ttft_targets: dict[str, float],
                     miss: float = URGENT_MISS) -> int:
@@ -236,9 +271,9 @@ class BandDemand:
         most ``miss``.
 
         While requests of ``band`` fill every other place, the urgent requests (rate
-        ``λ``, the larger of the slow and fast estimates, summed over the urgent
-        bands) take the ``k`` kept free, and departures (rate ``μ = places / S̄``,
-        ``S̄ = L / Λ`` the mean time on an engine over all bands) give them back. The
+        ``λ``, their :meth:`rates` summed: a surge reads within seconds) take the
+        ``k`` kept free, and departures (rate ``μ = places / S̄``, ``S̄ = L / Λ`` the
+        mean time on an engine over all bands) give them back. The
         places used and the urgent requests waiting then form the birth–death chain
         of an M/M/1 queue started ``k`` deep, so an urgent request waits longer than
         ``s`` with probability ``r^k e^{−(μ−λ)s}``, ``r = λ / μ`` (the M/M/1
@@ -253,7 +288,7 @@ class BandDemand:
         """
         urgent = self.bands[:self.bands.index(band)]
         now = self.clock.now()
-        lam = sum(max(self._rate[b].rate(now), self._fast[b].rate(now)) for b in urgent)
+        lam = sum(self.rates(urgent).values())
         total = sum(self._rate[b].rate(now) for b in self.bands)
         occupancy = self.total_occupancy()
         if lam <= 0 or occupancy <= 0 or places <= 0:
@@ -432,11 +467,14 @@ class EngineLatency:
     def best_effort(self, tpot_target_s: float) -> bool:
         """Whether requests of TPOT target ``tpot_target_s`` (s) are served at best
         effort here: the model is trusted and ``TPOT̂(1) + z σ`` (one request alone, the
-        knee's own test at a batch of 1) exceeds the target, or exceeded it and has not
-        yet fallen under :data:`BEST_EFFORT_EXIT` × the target (module docstring)."""
+        knee's own test at a batch of 1) exceeds the target while the fit remembers a
+        request decoding alone (:attr:`LatencyModel.alone_observed`: else TPOT̂(1) is
+        an extrapolation, not evidence), or exceeded it and has not yet fallen under
+        :data:`BEST_EFFORT_EXIT` × the target (module docstring)."""
         was = tpot_target_s in self._best_effort
         alone = self.model.tpot_alone_s(self.z) if self.model.confident else None
-        now = alone is not None and alone > tpot_target_s * (BEST_EFFORT_EXIT if was else 1.0)
+        now = (alone is not None and alone > tpot_target_s * (BEST_EFFORT_EXIT if was else 1.0)
+               and (was or self.model.alone_observed))
         if now != was:
             if now:
                 self._best_effort.add(tpot_target_s)

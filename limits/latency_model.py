@@ -140,6 +140,11 @@ class RecursiveLeastSquares:
         return True
 
 
+#: Mean batch up to which a TPOT sample shows the engine's speed alone
+#: (:attr:`LatencyModel.alone_observed`).
+ALONE_BATCH = 2.0
+
+
 @dataclass(frozen=True)
 class LatencyPrior:
     """Prior parameters of :class:`LatencyModel`, and how far each may be off (1 σ).
@@ -210,6 +215,7 @@ class LatencyModel:
         self._knee: tuple[tuple, int] | None = None
         #: EWMA of the decode steps of the requests seen to finish (None before one)
         self.request_steps: float | None = None
+        self._since_alone = math.inf  # TPOT samples since the last at ≤ ALONE_BATCH
 
     # ------------------------------------------------------------------ predictions
 
@@ -250,6 +256,17 @@ class LatencyModel:
         return lo
 
     @property
+    def alone_observed(self) -> bool:
+        """Whether the TPOT fit still remembers a sample at a mean batch of at most
+        :data:`ALONE_BATCH`: one within its last ``1 / (1 − λ)`` samples (the
+        memory of the forgetting factor λ). Without one, TPOT̂(1) is an extrapolation
+        from larger batches, where a narrow range of batch sizes leaves the fixed
+        step time and the per-sequence slope collinear, so the intercept can drift
+        far from the engine's speed alone."""
+        memory = math.inf if self.tpot.forgetting >= 1 else 1 / (1 - self.tpot.forgetting)
+        return self._since_alone < memory
+
+    @property
     def ttft_trusted(self) -> bool:
         """Whether the TTFT fit has ``min_samples`` samples (TTFT̂ may then hold a
         request back; before, its prior would)."""
@@ -288,7 +305,10 @@ class LatencyModel:
         predicted = self.predict_tpot(mean_batch, prefill_per_step).mean
         self.tpot_rel_error += 0.1 * min(1.0, weight) * (
             min(abs(predicted - tpot_s) / tpot_s, 2.0) - self.tpot_rel_error)
-        return self.tpot.update((1.0, mean_batch, prefill_per_step), tpot_s, weight)
+        if not self.tpot.update((1.0, mean_batch, prefill_per_step), tpot_s, weight):
+            return False
+        self._since_alone = 0 if mean_batch <= ALONE_BATCH else self._since_alone + 1
+        return True
 
     def observe_turnover(self, uncached_tokens: float, generated_tokens: float,
                          at: float) -> None:

@@ -379,6 +379,9 @@ async def test_a_request_whose_ttft_target_has_passed_is_shed_as_predicted_miss(
     assert e.reason == "predicted_miss" and e.retry_after_s >= 1
     assert h.client.calls == []
     clock.step = 0.0
+    # the engine's metrics scraped again (the shed request's clock reads aged them)
+    h.pool.set_metrics(h.pool.get("e0"), MetricsSnapshot(at=clock.t, kv_cache_usage=0.1,
+                                                         block_size=16, num_blocks=1000))
     rec, _ = await h.run(chat(max_tokens=5), TenantQuota(name="chat", priority="interactive"))
     assert rec.outcome is Outcome.OK
     h.assert_nothing_held()
@@ -394,6 +397,7 @@ async def test_an_engine_too_slow_for_the_slo_takes_what_the_others_cannot_serve
         lat.model.__init__(LatencyPrior(ttft_overhead_s=0.05, prefill_s_per_token=0.001,
                                         step_s=step_s, rel_std=1e-6), min_samples=0)
         lat.model.tpot_rel_error = 0.0
+        lat.model.observe_tpot(step_s + 0.003, 1.0, 0.0, 10)  # seen decoding alone
     assert h.pool.get("e1").latency.mode(0.1) == "best_effort"
     assert h.pool.get("e0").latency.mode(0.1) == "model"
     chat_tenant = TenantQuota(name="chat", priority="interactive")

@@ -237,6 +237,27 @@ def test_an_engine_whose_mean_meets_the_target_alone_but_not_its_bound_is_best_e
     assert eng0.best_effort(0.1)
 
 
+def test_best_effort_needs_the_engine_seen_decoding_alone() -> None:
+    """TPOT̂(1) extrapolated from a busy engine's batches is no evidence that the engine
+    cannot meet the target alone: over batches 7–9 only, the fixed step time and the
+    per-sequence slope trade off, and the intercept reads most of the step."""
+    rng = random.Random(1)
+    model = LatencyModel()
+    for i in range(40):  # 104 ± 4 ms at batches 7–9, never fewer
+        model.observe_tpot(0.104 + rng.uniform(-0.004, 0.004), 7 + i % 3, 0.0, 100)
+    eng = EngineLatency(model, FakeClock(), z=2.0)
+    assert model.confident and not model.alone_observed
+    assert model.tpot_alone_s(2.0) > 0.1  # the extrapolation alone would say "too slow"
+    assert not eng.best_effort(0.1) and eng.mode(0.1) == "model" and eng.limit(0.1) == 1
+    model.observe_tpot(0.11, 1.0, 0.0, 100)  # seen alone at 110 ms: now it is evidence
+    assert model.alone_observed and eng.best_effort(0.1)
+    # the fit forgets that sample after 1 / (1 − λ) = 33 more; best effort, once in,
+    # lasts until TPOT̂(1) falls under the exit bound (the hysteresis below)
+    for i in range(34):
+        model.observe_tpot(0.104, 7 + i % 3, 0.0, 100)
+    assert not model.alone_observed and eng.best_effort(0.1)
+
+
 def test_best_effort_ends_only_well_under_the_target(caplog) -> None:
     caplog.set_level(logging.INFO, logger="limits.engine_latency")
     eng = EngineLatency(fitted(), FakeClock(), z=0.0, name="e1")
@@ -577,6 +598,34 @@ def test_urgent_free_places_follow_the_m_m_1_tail() -> None:
     assert d.urgent_free("standard", 6, targets) == 6  # r = 1.1: urgent fills them all
     # a longer slack needs fewer: a 2 s interactive target, 1.8 s slack
     assert d.urgent_free("standard", 20, {**targets, "interactive": 2.0}) == 0
+
+
+def test_rates_read_a_chance_cluster_as_noise_and_a_surge_within_seconds() -> None:
+    clock = FakeClock()
+    d = _steady_demand(clock)  # 3 requests/s in all
+    bands = ("interactive", "standard")
+    steady = d.rates(bands)
+    assert sum(steady.values()) == pytest.approx(3.0, rel=0.1)
+    # two extra arrivals at once: the fast sum rises by 2 / 2.5 = 0.8/s, under 2 σ of
+    # Poisson noise at 3/s (2 × sqrt(3 × 0.09) = 1.04/s): the slow rates stand
+    clock.t += 0.1
+    d.arrived("interactive")
+    d.arrived("standard")
+    noisy = d.rates(bands)
+    assert noisy == {b: d._rate[b].rate(clock.t) for b in bands}
+    assert d._fast["interactive"].rate(clock.t) > noisy["interactive"]
+    # the load doubles: within 2 s the fast rates count
+    for _ in range(12):
+        clock.t += 1 / 6
+        d.arrived("interactive" if _ % 3 else "standard")
+    surging = d.rates(bands)
+    assert surging == {b: d._fast[b].rate(clock.t) for b in bands}
+    assert sum(surging.values()) > 4.0
+    # the surge restarted the long-run reading at the new level: a lull next does not
+    # drop it back to the old one (it decays with τ = 10 s from there)
+    clock.t += 1.0
+    after = d.rates(bands)
+    assert sum(after.values()) == pytest.approx(sum(surging.values()) * math.exp(-0.1), rel=0.01)
 
 
 def test_urgent_free_reads_a_surge_within_seconds() -> None:
