@@ -42,8 +42,7 @@ class DrainRate:
         """Estimated events per second at ``now`` (s)."""
         if self._first is None:
             return 0.0
-        span = max(self._min_span_s, now - self._first)
-        return self._decayed(now) / -math.expm1(-span / self._tau_s)
+        return self._decayed(now) / self._correction(now)
 
     def restart(self, rate: float, now: float) -> None:
         """Make the estimate read ``rate`` (events/s) at ``now`` (s) and decay from
@@ -51,9 +50,13 @@ class DrainRate:
         taking ``tau_s`` to reach the new level."""
         if self._first is None:
             self._first = now
-        span = max(self._min_span_s, now - self._first)
-        self._value = rate * -math.expm1(-span / self._tau_s)
+        self._value = rate * self._correction(now)
         self._at = now
+
+    def _correction(self, now: float) -> float:
+        """The start-up divisor ``1 − exp(−t / tau_s)`` at ``now`` (class docstring)."""
+        span = max(self._min_span_s, now - self._first)
+        return -math.expm1(-span / self._tau_s)
 
     def _decayed(self, now: float) -> float:
         return self._value * math.exp(-max(0.0, now - self._at) / self._tau_s)

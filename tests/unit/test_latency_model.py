@@ -615,9 +615,9 @@ def test_rates_read_a_chance_cluster_as_noise_and_a_surge_within_seconds() -> No
     assert noisy == {b: d._rate[b].rate(clock.t) for b in bands}
     assert d._fast["interactive"].rate(clock.t) > noisy["interactive"]
     # the load doubles: within 2 s the fast rates count
-    for _ in range(12):
+    for i in range(12):
         clock.t += 1 / 6
-        d.arrived("interactive" if _ % 3 else "standard")
+        d.arrived("interactive" if i % 3 else "standard")
     surging = d.rates(bands)
     assert surging == {b: d._fast[b].rate(clock.t) for b in bands}
     assert sum(surging.values()) > 4.0
