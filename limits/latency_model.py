@@ -59,8 +59,10 @@ class RecursiveLeastSquares:
     Classical exponentially weighted RLS: ``P`` is the inverse of the weighted
     information matrix ``Σ λ^(n−i) x_i x_iᵀ`` (dimensionless), so the gain does not
     depend on the noise level and a change is tracked within about ``1 / (1 − λ)``
-    samples; the noise variance ``σ²`` is estimated separately from the residuals and
-    the parameters' covariance is ``σ² P``.
+    samples; the noise variance ``σ²`` is estimated separately, as the weighted mean
+    of the squared a-priori residuals (each over its expected spread) forgotten at
+    the same rate, with ``noise_std²`` counted as one unit-weight sample, and the
+    parameters' covariance is ``σ² P``.
 
     Args:
         prior: initial θ.
@@ -70,23 +72,24 @@ class RecursiveLeastSquares:
         forgetting: λ in (0, 1]; samples older by n updates weigh λⁿ (effective
             memory ``1 / (1 − λ)`` samples).
         huber_k: innovations are clipped at this many predictive standard deviations.
-        noise_alpha: EWMA weight of a new squared residual in σ² (0–1).
     """
 
     def __init__(self, prior: Sequence[float], prior_std: Sequence[float], noise_std: float,
-                 forgetting: float = 0.97, huber_k: float = 3.0, noise_alpha: float = 0.1) -> None:
+                 forgetting: float = 0.97, huber_k: float = 3.0) -> None:
         if not 0 < forgetting <= 1:
             raise ValueError("forgetting must be in (0, 1]")
         if len(prior) != len(prior_std) or min(prior_std) <= 0 or noise_std <= 0:
             raise ValueError("prior and prior_std must have the same length, std > 0")
         self.theta = np.array(prior, dtype=float)
         self.noise_var = noise_std ** 2
+        # σ² = the weighted average of the squared residuals over θ's memory (each
+        # forgotten as its sample is), the prior counting as one unit sample
+        self._noise_sum, self._noise_weight = self.noise_var, 1.0
         self._p_max = np.square(np.array(prior_std, dtype=float)) / self.noise_var
         self.P = np.diag(self._p_max)
         self._noise_floor = (noise_std * 1e-3) ** 2
         self.forgetting = forgetting
         self.huber_k = huber_k
-        self.noise_alpha = noise_alpha
         self.samples = 0
         self._snapshot()
 
@@ -132,9 +135,12 @@ class RecursiveLeastSquares:
             f = np.ones_like(d)
             f[over] = np.sqrt(self._p_max[over] / d[over])
             self.P = self.P * np.outer(f, f)
-        # a priori residual over its expected spread: E[e²] = σ² s
-        self.noise_var = max(self._noise_floor, (1 - self.noise_alpha) * self.noise_var
-                             + self.noise_alpha * e_clipped ** 2 / s)
+        # the a priori residual over its expected spread, E[e²] = σ² s, joins σ² with
+        # its weight (a sample averaging a few hundredths of a unit one's observations
+        # moves σ² that much less)
+        self._noise_sum = self._noise_sum * self.forgetting + weight * e_clipped ** 2 / s
+        self._noise_weight = self._noise_weight * self.forgetting + weight
+        self.noise_var = max(self._noise_floor, self._noise_sum / self._noise_weight)
         self.samples += 1
         self._snapshot()
         return True

@@ -243,8 +243,8 @@ def test_best_effort_needs_the_engine_seen_decoding_alone() -> None:
     per-sequence slope trade off, and the intercept reads most of the step."""
     rng = random.Random(1)
     model = LatencyModel()
-    for i in range(40):  # 104 ± 4 ms at batches 7–9, never fewer
-        model.observe_tpot(0.104 + rng.uniform(-0.004, 0.004), 7 + i % 3, 0.0, 100)
+    for i in range(40):  # 106 ± 4 ms at batches 7–9, never fewer
+        model.observe_tpot(0.106 + rng.uniform(-0.004, 0.004), 7 + i % 3, 0.0, 100)
     eng = EngineLatency(model, FakeClock(), z=2.0)
     assert model.confident and not model.alone_observed
     assert model.tpot_alone_s(2.0) > 0.1  # the extrapolation alone would say "too slow"
@@ -436,13 +436,32 @@ def test_weighted_samples_estimate_the_noise_of_a_unit_weight_one() -> None:
     """Three metrics intervals of a few steps (weight 0.03, 33 times the variance)
     per request-length sample (weight 1): the noise estimate is the request's."""
     rng = random.Random(6)
-    rls = RecursiveLeastSquares([0.05], [0.05], 0.01, forgetting=0.999, noise_alpha=0.01)
+    rls = RecursiveLeastSquares([0.05], [0.05], 0.01, forgetting=0.999)
     for i in range(4000):
         w = 0.03 if i % 4 else 1.0
         assert rls.update([1.0], 0.5 + rng.gauss(0, 0.005 / math.sqrt(w)), w)
     assert math.sqrt(rls.noise_var) == pytest.approx(0.005, rel=0.2)
     assert rls.theta[0] == pytest.approx(0.5, abs=0.002)
     assert not rls.update([1.0], 0.5, 0.0)
+
+
+def test_the_noise_estimate_moves_with_a_sample_s_weight_and_leaves_its_prior() -> None:
+    """σ learns from the first unit samples as from an average in which the prior
+    counts once (not an EWMA starting at it), and a run of short metrics intervals
+    (weight 0.03) with outlying residuals moves it by their total weight, not as ten
+    whole requests would."""
+    rng = random.Random(7)
+    rls = RecursiveLeastSquares([0.05], [0.01], 0.015)  # true mean at the prior
+    for _ in range(10):
+        assert rls.update([1.0], 0.05 + rng.gauss(0, 0.003))
+    assert 0.001 < math.sqrt(rls.noise_var) < 0.006  # an EWMA from 15 ms: ~9 ms
+    for _ in range(200):
+        rls.update([1.0], 0.05 + rng.gauss(0, 0.003))
+    before = math.sqrt(rls.noise_var)
+    assert before == pytest.approx(0.003, rel=0.4)
+    for _ in range(10):  # each clipped at 3 predictive sd: 9 σ² per sample
+        rls.update([1.0], 0.5, 0.03)
+    assert before < math.sqrt(rls.noise_var) < 1.2 * before  # unweighted: ×2.4
 
 
 def test_request_steps_come_from_requests_only() -> None:
