@@ -461,7 +461,7 @@ def test_the_noise_estimate_moves_with_a_sample_s_weight_and_leaves_its_prior() 
     assert before == pytest.approx(0.003, rel=0.4)
     for _ in range(10):  # each clipped at 3 predictive sd: 9 σ² per sample
         rls.update([1.0], 0.5, 0.03)
-    assert before < math.sqrt(rls.noise_var) < 1.2 * before  # unweighted: ×2.4
+    assert before < math.sqrt(rls.noise_var) < 1.2 * before  # the old EWMA: × 14
 
 
 def test_request_steps_come_from_requests_only() -> None:
