@@ -4,8 +4,10 @@ a file changes.
 The watch is on each file's directory, not on the file: editors and ``mv`` replace
 the file with a new one, and a Kubernetes ConfigMap volume swaps a ``..data``
 symlink, so a watch on the old file would see the first replacement and nothing
-after it. Any change in a watched directory makes the reloader read what each name
-resolves to now; it reloads a file when that path or the content's SHA-256 differs
+after it. A change in a watched directory to a watched name, to the file a watched
+name links to, or to a ``..`` entry (the ConfigMap's link and folders) makes the
+reloader read what each name resolves to now (other files there, such as a log
+written next to the config, do not wake it); it reloads a file when that path or the content's SHA-256 differs
 from the last one read. SIGHUP reloads every watched file.
 
 A reload validates the whole file first; a bad file (including an empty one, as seen
@@ -151,6 +153,14 @@ class ConfigReloader:
         if self.on_result:
             self.on_result(result)
 
+    def concerns(self, change: Any, path: str) -> bool:
+        """Whether a change to the entry ``path`` in a watched folder may change a
+        watched file (module docstring)."""
+        name = Path(path).name
+        if name.startswith(".."):
+            return True
+        return any(name in (f.path.name, f.path.resolve().name) for f in self.files.values())
+
     async def run(self) -> None:
         """Reload on SIGHUP and on changes to the files (see the module docstring),
         until cancelled."""
@@ -159,7 +169,7 @@ class ConfigReloader:
             loop.add_signal_handler(signal.SIGHUP, self.reload)
         folders = dict.fromkeys(f.path.parent for f in self.files.values())
         try:
-            async for _ in awatch(*folders, watch_filter=None, recursive=False,
+            async for _ in awatch(*folders, watch_filter=self.concerns, recursive=False,
                                   debounce=200, step=50):
                 for f in self.files.values():
                     if f.version() != f.seen:

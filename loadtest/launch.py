@@ -74,7 +74,10 @@ class RunningGateway:
         return sorted(urls)
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Wait until ``/ready`` answers 200.
+        """Wait until ``/ready`` answers 200 and lists every engine as ready: a
+        benchmark measures the whole fleet, whereas ``/ready`` needs only one engine
+        per model (a run started with one of two engines up sends the first requests,
+        and the prefixes they bring, to that one).
 
         Raises:
             RuntimeError: the gateway exited. TimeoutError: not ready in time.
@@ -84,7 +87,9 @@ class RunningGateway:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited with {self.proc.returncode}")
             try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                r = httpx.get(self.url + "/ready", timeout=2)
+                if r.status_code == 200 and all(
+                        state == "ready" for state in r.json()["engines"].values()):
                     return
             except httpx.HTTPError:
                 pass

@@ -252,3 +252,21 @@ def test_engines_reload_keeps_the_sections_that_need_a_restart() -> None:
     assert applied.disaggregation == running.disaggregation
     assert applied.saturation.adaptive == running.saturation.adaptive
     assert reloadable_engines(running, running) == (running, [])
+
+
+def test_the_reloader_wakes_for_its_files_and_the_configmap_links_only(tmp_path) -> None:
+    """A log written next to the config files does not wake the reloader; the watched
+    names, the file a watched name links to and ``..`` entries (a ConfigMap's swap) do."""
+    from gateway.reload import ConfigReloader
+
+    (tmp_path / "tenants-prod.yaml").write_text("tenants: []\n")
+    (tmp_path / "tenants.yaml").symlink_to("tenants-prod.yaml")
+    (tmp_path / "engines.yaml").write_text("engines: []\n")
+    reloader = ConfigReloader({"tenants": (tmp_path / "tenants.yaml", lambda _: None),
+                               "engines": (tmp_path / "engines.yaml", lambda _: None)})
+    wakes = {name: reloader.concerns(None, str(tmp_path / name))
+             for name in ("tenants.yaml", "tenants-prod.yaml", "engines.yaml", "..data",
+                          "..2026_12_03_1", "gateway.log", ".tenants.yaml.swp")}
+    assert wakes == {"tenants.yaml": True, "tenants-prod.yaml": True, "engines.yaml": True,
+                     "..data": True, "..2026_12_03_1": True, "gateway.log": False,
+                     ".tenants.yaml.swp": False}
