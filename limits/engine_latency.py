@@ -13,7 +13,8 @@ The decision (:func:`decide`, pure): an engine takes a request when
    TTFT fit of its own (:attr:`LatencyModel.ttft_trusted`): the prior is only an
    order of magnitude (1 ms per prompt token, where a GPU takes a tenth of that and
    this machine's CPU ten times as much), and holding a cold engine's burst to one
-   prefill at a time on its word would serialise what the engine batches; and
+   prefill at a time on its word would serialise what the engine batches (at best
+   effort, below, it applies before); and
 2. the predicted TPOT at one more request in flight — plus the room kept for more
    urgent bands (below) — plus ``z`` σ, stays within the tightest TPOT target among
    the requests already running there and the request's own; an engine with nothing
@@ -47,9 +48,16 @@ fit has seen the engine decode at a batch of about one within its memory, so tha
 TPOT̂(1) is measured rather than extrapolated from a busy engine's batches), no
 admission can give a request of that target its SLO on this engine; holding requests
 back to a limit of 1, or shedding them, would only lose throughput. Such requests are
-admitted by the engine's capacity signals alone (slots, KV watermark and blocks,
-waiting requests: :mod:`limits.saturation`), as a plain proxy would, and rules 1 and 2
-do not apply (:meth:`EngineLatency.best_effort`; it ends when ``TPOT̂(1) + z σ`` falls
+admitted by the engine's capacity signals (slots, KV watermark and blocks, waiting
+requests: :mod:`limits.saturation`) and rule 1, as a plain proxy would that did not
+queue prompts on an engine past their TTFT target; rule 2 does not apply. Rule 1 then
+judges on TTFT̂'s mean (no margin) even before the TTFT fit is trusted: it is all
+that bounds the requests sent to an engine that slow, whose prompts would otherwise
+queue there for as long as its slots allow (seen: a 0.5× simulated engine took
+requests predicted to start 5–8 s late against a 1 s target, and started them 4–7 s
+late), while an overestimate costs no more than prefills one at a time until the fit
+is trusted, a request with nothing queued ahead being always admitted
+(:meth:`EngineLatency.best_effort`; it ends when ``TPOT̂(1) + z σ`` falls
 under :data:`BEST_EFFORT_EXIT` × the target, so an engine at the boundary does not
 flap between a limit of 1 and its capacity). :meth:`EngineLatency.mode` says which
 controller is active (``model``, ``gradient`` or ``best_effort``).
@@ -116,7 +124,8 @@ class Verdict:
 def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens: int,
            decoding: int, in_flight: int, ttft_budget_s: float, tpot_target_s: float,
            tightest_running_tpot_s: float | None, z: float, limit: float | None = None,
-           reserve: float = 0.0, sustained: float | None = None) -> Verdict:
+           reserve: float = 0.0, sustained: float | None = None,
+           best_effort: bool = False) -> Verdict:
     """Whether an engine takes a request (rules in the module docstring).
 
     Args:
@@ -138,11 +147,19 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
         sustained: the engine's expected requests in service in the long run (every
             band's occupancy, :meth:`BandDemand.occupancy`, per engine); None: no
             burst rule.
+        best_effort: the engine serves the request's TPOT target at best effort
+            (:meth:`EngineLatency.best_effort`): rule 1 alone decides, on TTFT̂'s
+            mean while the TTFT fit is not trusted.
     """
     ttft = model.predict_ttft(pending_prefill_tokens + uncached_tokens, decoding)
     alone = model.predict_ttft(uncached_tokens, decoding)  # no prefill queued ahead
-    if model.ttft_trusted and ttft.upper(z) > max(ttft_budget_s, alone.upper(z)):
+    # an untrusted TTFT fit judges only at best effort, and on its mean
+    ttft_z = z if model.ttft_trusted else 0.0
+    if ((model.ttft_trusted or best_effort)
+            and ttft.upper(ttft_z) > max(ttft_budget_s, alone.upper(ttft_z))):
         return Verdict(False, ttft, None, "ttft")
+    if best_effort:
+        return Verdict(True, ttft, None, best_effort=True)
     if in_flight == 0:
         return Verdict(True, ttft, None)
     if limit is not None:
@@ -534,17 +551,16 @@ class EngineLatency:
         the engine, this process's and other clients' in its last report:
         :func:`engines.plugins.engine_load`) replaces the ledger's in-flight count
         when larger; ``reserve`` and
-        ``sustained`` as there. At best effort (:meth:`best_effort`) the request is
-        admitted without rules 1 and 2 (``Verdict.best_effort``)."""
-        if self.best_effort(tpot_target_s):
-            return Verdict(True, self.predict_ttft(uncached_tokens), None, best_effort=True)
+        ``sustained`` as there. At best effort (:meth:`best_effort`) rule 1 alone
+        decides (``Verdict.best_effort`` when it admits)."""
         return decide(self.model, uncached_tokens=uncached_tokens,
                       pending_prefill_tokens=self.pending_prefill_tokens,
                       decoding=self.decoding, in_flight=self.occupied(reported_load),
                       ttft_budget_s=ttft_budget_s, tpot_target_s=tpot_target_s,
                       tightest_running_tpot_s=self.tightest_tpot_s(), z=self.z,
                       limit=None if self.model.confident else self.gradient.limit,
-                      reserve=reserve, sustained=sustained)
+                      reserve=reserve, sustained=sustained,
+                      best_effort=self.best_effort(tpot_target_s))
 
     # ------------------------------------------------------------------ the ledger
 

@@ -408,6 +408,17 @@ async def test_an_engine_too_slow_for_the_slo_takes_what_the_others_cannot_serve
     clock.step = 0.33
     rec, _ = await h.run(chat(max_tokens=5), chat_tenant)
     assert rec.outcome is Outcome.OK and rec.engine == "e1"
+    # but not behind 10,000 prefill tokens queued there (TTFT̂ ~10 s): best effort
+    # keeps the TTFT rule, so the request is shed rather than sent to start that late
+    e1 = h.pool.get("e1").latency
+    e1.pending_prefill_tokens += 10_000
+    h.pool.set_metrics(h.pool.get("e0"), MetricsSnapshot(
+        at=clock.t, kv_cache_usage=0.1, block_size=16, num_blocks=1000))
+    h.pool.set_metrics(h.pool.get("e1"), MetricsSnapshot(
+        at=clock.t, kv_cache_usage=0.1, block_size=16, num_blocks=1000))
+    rec, e = await h.run(chat(max_tokens=5), chat_tenant)
+    assert isinstance(e, Rejected) and e.reason == "predicted_miss"
+    e1.pending_prefill_tokens -= 10_000
     # and with e1 gone, shed as before (fresh metrics for e0: the clock moved on)
     h.pool.set_state(h.pool.get("e1"), EngineState.DRAINING)
     h.pool.set_metrics(h.pool.get("e0"), MetricsSnapshot(

@@ -186,6 +186,27 @@ def test_decide_empty_engine_always_takes_and_fallback_limit_applies() -> None:
     assert model.ttft_trusted and not v.admit and v.reason == "ttft"
 
 
+def test_at_best_effort_an_untrusted_ttft_fit_holds_back_on_its_mean() -> None:
+    """At best effort the TTFT rule is all that bounds an engine's queue, so it judges
+    before the fit is trusted, on TTFT̂'s mean; with nothing queued ahead it admits."""
+    model = LatencyModel()  # the TTFT prior: 50 ms + 1 ms per token, wide
+    assert not model.ttft_trusted
+    base = dict(uncached_tokens=500, decoding=0, in_flight=3, tpot_target_s=0.1,
+                tightest_running_tpot_s=None, z=2.0, best_effort=True)
+    behind = decide(model, pending_prefill_tokens=2000, ttft_budget_s=1.0, **base)
+    assert not behind.admit and behind.reason == "ttft"
+    assert behind.ttft.mean == pytest.approx(model.predict_ttft(2500, 0).mean)
+    assert behind.ttft.mean > 1.0
+    # within the budget on the mean, though not on mean + 2 sd: admitted
+    near = decide(model, pending_prefill_tokens=200, ttft_budget_s=1.0, **base)
+    assert near.ttft.upper(2.0) > 1.0 > near.ttft.mean and near.admit and near.best_effort
+    # nothing ahead: admitted however late it starts
+    assert decide(model, pending_prefill_tokens=0, ttft_budget_s=0.1, **base).admit
+    # off best effort the untrusted fit holds nothing back (the fallback limit rules)
+    off = {**base, "best_effort": False}
+    assert decide(model, pending_prefill_tokens=2000, ttft_budget_s=1.0, limit=8.0, **off).admit
+
+
 def slowed(model: LatencyModel, factor: float) -> LatencyModel:
     """``model`` with every TPOT parameter × ``factor`` (an engine ``factor`` × slower)."""
     model.tpot.theta = model.tpot.theta * factor
@@ -203,10 +224,16 @@ def test_an_engine_too_slow_for_the_target_even_alone_serves_at_best_effort() ->
     assert not v.admit and v.reason == "tpot" and not v.best_effort
     slowed(eng.model, 2.5)
     assert eng.mode(0.1) == "best_effort" and eng.limit(0.1) is None
-    # no SLO rule: admitted past any knee and with a TTFT budget already spent
-    eng.pending_prefill_tokens += 100_000
+    # no TPOT rule: admitted past any knee, and with its TTFT budget already spent
+    # when no prefill is queued ahead of it
     v = eng.decide(100, ttft_budget_s=0.0, tpot_target_s=0.1)
     assert v.admit and v.best_effort and v.reason is None
+    # the TTFT rule holds: behind 100,000 queued prefill tokens (TTFT̂ ~119 s) it waits
+    # for another engine or for the queue to drain
+    eng.pending_prefill_tokens += 100_000
+    v = eng.decide(100, ttft_budget_s=10.0, tpot_target_s=0.1)
+    assert not v.admit and v.reason == "ttft" and not v.best_effort and v.ttft.mean > 100
+    assert eng.decide(100, ttft_budget_s=200.0, tpot_target_s=0.1).admit
     eng.pending_prefill_tokens -= 100_000
     # the running best-effort requests' target does not bind a looser request either
     assert eng.tightest_tpot_s() is None
