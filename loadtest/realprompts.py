@@ -52,7 +52,8 @@ JSON: ``{"engine_kind", "direct_headers", "limit", "round_s", "direct"|"gateway"
 "ttft_p50_added_ms_c1", "prediction":
 {ttft_rel_err_p50, ttft_rel_err_p90, samples}, "overload": {load, capacity_rps, rate,
 duration_s, slo, "direct"|"gateway": {goodput, slo_attainment: {interactive, standard,
-batch}, shed, offered}, interactive_ratio: gateway/direct}, "load_avg": [1-min load
+batch}, shed, offered}, interactive_ratio: gateway/direct} (or {skipped: why}, when no
+c8 request ended straight within a window), "load_avg": [1-min load
 average at start, end], "config": {changed}}`` (``c8`` figures pool all rounds).
 ``config.changed``: the settings that differ from the shipped configuration and why
 (the launched gateway gets three tenants with the three priorities, for the overload
@@ -358,11 +359,14 @@ async def run(engine: str, gateway: str, prompts: list[str], args: argparse.Name
     result, through = await measure(engine, gateway, args.model, prompts, args.max_tokens,
                                     direct, args.rounds, args.c1_limit, c8_prompts=c8_prompts,
                                     round_s=args.round_s, gateway_cpu_s=gateway_cpu_s)
-    if args.overload_s > 0:
-        capacity = result["direct"]["c8"]["requests_s"]
+    capacity = result["direct"]["c8"]["requests_s"]
+    if args.overload_s > 0 and capacity > 0:
         result["overload"], more = await overload(engine, gateway, args.model, prompts,
                                                   args.max_tokens, capacity, args, direct)
         through += more
+    elif args.overload_s > 0:  # nothing ended within a c8 window: no rate to scale
+        result["overload"] = {"skipped": "the engine completed no request within a c8 "
+                              "window straight (capacity 0 requests/s)"}
     errs = rel_errors(through)
     result["prediction"] = {"ttft_rel_err_p50": _q(errs, 0.5),
                             "ttft_rel_err_p90": _q(errs, 0.9), "samples": len(errs)}
