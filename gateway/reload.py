@@ -7,8 +7,8 @@ symlink, so a watch on the old file would see the first replacement and nothing
 after it. A change in a watched directory to a watched name, to the file a watched
 name links to, or to a ``..`` entry (the ConfigMap's link and folders) makes the
 reloader read what each name resolves to now (other files there, such as a log
-written next to the config, do not wake it); it reloads a file when that path or the content's SHA-256 differs
-from the last one read. SIGHUP reloads every watched file.
+written next to the config, do not wake it); it reloads a file when that path or the
+content's SHA-256 differs from the last one read. SIGHUP reloads every watched file.
 
 A reload validates the whole file first; a bad file (including an empty one, as seen
 while a file is being rewritten) keeps the running configuration, logs the error and
@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import signal
 import time
 from collections import deque
@@ -159,7 +160,8 @@ class ConfigReloader:
         name = Path(path).name
         if name.startswith(".."):
             return True
-        return any(name in (f.path.name, f.path.resolve().name) for f in self.files.values())
+        return any(name in (f.path.name, os.path.basename(os.path.realpath(f.path)))
+                   for f in self.files.values())
 
     async def run(self) -> None:
         """Reload on SIGHUP and on changes to the files (see the module docstring),
