@@ -270,6 +270,10 @@ class Placer:
         # the long-run occupancy of this band and the more urgent ones (the others
         # yield to them), shared among the engines as their knees are
         per_knee = demand.occupancy_through(priority) / max(1, places)
+        # whether an engine not at best effort for the band may take it (else a
+        # best-effort engine takes it by its capacity signals alone)
+        elsewhere = any(e.latency is None or not e.latency.best_effort(target.tpot_s)
+                        for e in ready)
         within, best_effort = [], []
         for e in engines:
             if e.latency is None:
@@ -279,7 +283,7 @@ class Placer:
                 uncached(e), budget, target.tpot_s,
                 loads[e.id],
                 max(0, keep - (total_free - free.get(e.id, 0))),
-                per_knee * knees.get(e.id, 0))
+                per_knee * knees.get(e.id, 0), elsewhere)
             if verdict.admit:
                 (best_effort if verdict.best_effort else within).append(e)
         if budget < best <= target.ttft_s:

@@ -50,16 +50,20 @@ admission can give a request of that target its SLO on this engine; holding requ
 back to a limit of 1, or shedding them, would only lose throughput. Such requests are
 admitted by the engine's capacity signals (slots, KV watermark and blocks, waiting
 requests: :mod:`limits.saturation`) and rule 1, as a plain proxy would that did not
-queue prompts on an engine past their TTFT target; rule 2 does not apply. Rule 1 then
-judges on TTFT̂'s mean (no margin) even before the TTFT fit is trusted: it is all
-that bounds the requests sent to an engine that slow, whose prompts would otherwise
-queue there for as long as its slots allow (seen: a 0.5× simulated engine took
-requests predicted to start 5–8 s late against a 1 s target, and started them 4–7 s
-late), while an overestimate costs no more than prefills one at a time until the fit
-is trusted, a request with nothing queued ahead being always admitted
-(:meth:`EngineLatency.best_effort`; it ends when ``TPOT̂(1) + z σ`` falls
-under :data:`BEST_EFFORT_EXIT` × the target, so an engine at the boundary does not
-flap between a limit of 1 and its capacity). :meth:`EngineLatency.mode` says which
+queue prompts on an engine past their TTFT target; rule 2 does not apply. Rule 1
+applies only while another engine may serve the request within its SLO: else holding
+it back would only move its wait from the engine's queue to the gateway's, which
+rejects what it expects to wait too long (seen with the packaged CPU engine alone at
+best effort: its eight closed-loop clients had 1,307 requests rejected in 90 s). Rule 1 then judges on
+TTFT̂'s mean (no margin) even before the TTFT fit is trusted: it is all that bounds
+the requests sent to an engine that slow, whose prompts would otherwise queue there
+for as long as its slots allow (seen: a 0.5× simulated engine took requests
+predicted to start 5–8 s late against a 1 s target, and started them 4–7 s late),
+while an overestimate costs no more than prefills one at a time until the fit is
+trusted, a request with nothing queued ahead being always admitted
+(:meth:`EngineLatency.best_effort`; it ends when ``TPOT̂(1) + z σ`` falls under
+:data:`BEST_EFFORT_EXIT` × the target, so an engine at the boundary does not flap
+between a limit of 1 and its capacity). :meth:`EngineLatency.mode` says which
 controller is active (``model``, ``gradient`` or ``best_effort``).
 
 Observations (:meth:`EngineLatency.sent`, :meth:`~EngineLatency.first_token`,
@@ -546,21 +550,27 @@ class EngineLatency:
 
     def decide(self, uncached_tokens: int, ttft_budget_s: float, tpot_target_s: float,
                reported_load: int = 0, reserve: float = 0.0,
-               sustained: float | None = None) -> Verdict:
+               sustained: float | None = None, elsewhere: bool = True) -> Verdict:
         """:func:`decide` for this engine's state; ``reported_load`` (the requests on
         the engine, this process's and other clients' in its last report:
         :func:`engines.plugins.engine_load`) replaces the ledger's in-flight count
         when larger; ``reserve`` and
         ``sustained`` as there. At best effort (:meth:`best_effort`) rule 1 alone
-        decides (``Verdict.best_effort`` when it admits)."""
+        decides when ``elsewhere`` (another engine may serve the request within its
+        SLO), and nothing but the capacity signals when not: held back, the request
+        could only wait at the gateway for this same engine, where the admission
+        queue sheds what it predicts will wait too long, instead of in the engine's
+        own FCFS queue (``Verdict.best_effort`` when admitted)."""
+        best_effort = self.best_effort(tpot_target_s)
+        if best_effort and not elsewhere:
+            return Verdict(True, self.predict_ttft(uncached_tokens), None, best_effort=True)
         return decide(self.model, uncached_tokens=uncached_tokens,
                       pending_prefill_tokens=self.pending_prefill_tokens,
                       decoding=self.decoding, in_flight=self.occupied(reported_load),
                       ttft_budget_s=ttft_budget_s, tpot_target_s=tpot_target_s,
                       tightest_running_tpot_s=self.tightest_tpot_s(), z=self.z,
                       limit=None if self.model.confident else self.gradient.limit,
-                      reserve=reserve, sustained=sustained,
-                      best_effort=self.best_effort(tpot_target_s))
+                      reserve=reserve, sustained=sustained, best_effort=best_effort)
 
     # ------------------------------------------------------------------ the ledger
 

@@ -428,6 +428,26 @@ async def test_an_engine_too_slow_for_the_slo_takes_what_the_others_cannot_serve
     h.assert_nothing_held()
 
 
+async def test_a_lone_best_effort_engine_takes_requests_behind_any_queued_prefill() -> None:
+    """With no engine that meets the SLO, holding a request back from the best-effort
+    one would only move its wait to the gateway's queue: the TTFT rule does not apply."""
+    from limits.latency_model import LatencyPrior
+    clock = Clock()
+    h = Harness(config(engines=1), FakeClient(), clock)
+    lat = h.pool.get("e0").latency
+    assert lat is not None
+    lat.model.__init__(LatencyPrior(ttft_overhead_s=0.05, prefill_s_per_token=0.001,
+                                    step_s=0.2, rel_std=1e-6), min_samples=0)
+    lat.model.tpot_rel_error = 0.0
+    lat.model.observe_tpot(0.203, 1.0, 0.0, 10)  # seen decoding alone: 200 ms > 100 ms
+    assert lat.mode(0.1) == "best_effort"
+    lat.pending_prefill_tokens += 10_000  # TTFT̂ ~10 s against the 1 s target
+    rec, _ = await h.run(chat(max_tokens=5), TenantQuota(name="chat", priority="interactive"))
+    assert rec.outcome is Outcome.OK and rec.engine == "e0"
+    lat.pending_prefill_tokens -= 10_000
+    h.assert_nothing_held()
+
+
 async def test_upstream_body_carries_the_band_never_the_clients_priority() -> None:
     import aiohttp
 
