@@ -54,13 +54,13 @@ queue prompts on an engine past their TTFT target; rule 2 does not apply. Rule 1
 applies only while another engine may serve the request within its SLO: else holding
 it back would only move its wait from the engine's queue to the gateway's, which
 rejects what it expects to wait too long (seen with the packaged CPU engine alone at
-best effort: its eight closed-loop clients had 1,307 requests rejected in 90 s). Rule 1 then judges on
-TTFT̂'s mean (no margin) even before the TTFT fit is trusted: it is all that bounds
-the requests sent to an engine that slow, whose prompts would otherwise queue there
-for as long as its slots allow (seen: a 0.5× simulated engine took requests
-predicted to start 5–8 s late against a 1 s target, and started them 4–7 s late),
-while an overestimate costs no more than prefills one at a time until the fit is
-trusted, a request with nothing queued ahead being always admitted
+best effort: its eight closed-loop clients had 1,307 requests rejected in 90 s).
+Rule 1 then judges on TTFT̂'s mean (no margin) even before the TTFT fit is trusted:
+it is all that bounds the requests sent to an engine that slow, whose prompts would
+otherwise queue there for as long as its slots allow (seen: a 0.5× simulated engine
+took requests predicted to start 5–8 s late against a 1 s target, and started them
+4–7 s late), while an overestimate costs no more than prefills one at a time until
+the fit is trusted, a request with nothing queued ahead being always admitted
 (:meth:`EngineLatency.best_effort`; it ends when ``TPOT̂(1) + z σ`` falls under
 :data:`BEST_EFFORT_EXIT` × the target, so an engine at the boundary does not flap
 between a limit of 1 and its capacity). :meth:`EngineLatency.mode` says which
@@ -129,7 +129,7 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
            decoding: int, in_flight: int, ttft_budget_s: float, tpot_target_s: float,
            tightest_running_tpot_s: float | None, z: float, limit: float | None = None,
            reserve: float = 0.0, sustained: float | None = None,
-           best_effort: bool = False) -> Verdict:
+           best_effort: bool = False, elsewhere: bool = True) -> Verdict:
     """Whether an engine takes a request (rules in the module docstring).
 
     Args:
@@ -153,14 +153,17 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
             burst rule.
         best_effort: the engine serves the request's TPOT target at best effort
             (:meth:`EngineLatency.best_effort`): rule 1 alone decides, on TTFT̂'s
-            mean while the TTFT fit is not trusted.
+            mean while the TTFT fit is not trusted, and only when ``elsewhere``.
+        elsewhere: another engine may serve the request within its SLO (else, at
+            best effort, holding it back would only move its wait from this engine's
+            queue to the gateway's: module docstring).
     """
     ttft = model.predict_ttft(pending_prefill_tokens + uncached_tokens, decoding)
     alone = model.predict_ttft(uncached_tokens, decoding)  # no prefill queued ahead
     # an untrusted TTFT fit judges only at best effort, and on its mean
     ttft_z = z if model.ttft_trusted else 0.0
-    if ((model.ttft_trusted or best_effort)
-            and ttft.upper(ttft_z) > max(ttft_budget_s, alone.upper(ttft_z))):
+    judge = elsewhere if best_effort else model.ttft_trusted
+    if judge and ttft.upper(ttft_z) > max(ttft_budget_s, alone.upper(ttft_z)):
         return Verdict(False, ttft, None, "ttft")
     if best_effort:
         return Verdict(True, ttft, None, best_effort=True)
@@ -555,22 +558,17 @@ class EngineLatency:
         the engine, this process's and other clients' in its last report:
         :func:`engines.plugins.engine_load`) replaces the ledger's in-flight count
         when larger; ``reserve`` and
-        ``sustained`` as there. At best effort (:meth:`best_effort`) rule 1 alone
-        decides when ``elsewhere`` (another engine may serve the request within its
-        SLO), and nothing but the capacity signals when not: held back, the request
-        could only wait at the gateway for this same engine, where the admission
-        queue sheds what it predicts will wait too long, instead of in the engine's
-        own FCFS queue (``Verdict.best_effort`` when admitted)."""
-        best_effort = self.best_effort(tpot_target_s)
-        if best_effort and not elsewhere:
-            return Verdict(True, self.predict_ttft(uncached_tokens), None, best_effort=True)
+        ``sustained`` and ``elsewhere`` as there. At best effort (:meth:`best_effort`)
+        rule 1 alone decides when ``elsewhere``, and nothing but the capacity signals
+        when not (``Verdict.best_effort`` when admitted)."""
         return decide(self.model, uncached_tokens=uncached_tokens,
                       pending_prefill_tokens=self.pending_prefill_tokens,
                       decoding=self.decoding, in_flight=self.occupied(reported_load),
                       ttft_budget_s=ttft_budget_s, tpot_target_s=tpot_target_s,
                       tightest_running_tpot_s=self.tightest_tpot_s(), z=self.z,
                       limit=None if self.model.confident else self.gradient.limit,
-                      reserve=reserve, sustained=sustained, best_effort=best_effort)
+                      reserve=reserve, sustained=sustained,
+                      best_effort=self.best_effort(tpot_target_s), elsewhere=elsewhere)
 
     # ------------------------------------------------------------------ the ledger
 
