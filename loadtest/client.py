@@ -19,7 +19,8 @@ import numpy as np
 
 @dataclass
 class Measured:
-    """One request's result. Times in seconds; ``None`` when not applicable."""
+    """One request's result. Times in seconds; ``None`` when not applicable.
+    ``chunk_at``: ``time.perf_counter()`` at each streamed content chunk, s."""
 
     status: int
     ttft_s: float | None = None
@@ -31,6 +32,7 @@ class Measured:
     engine: str | None = None
     queue_ms: float | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    chunk_at: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -44,7 +46,6 @@ async def send_measured(session: aiohttp.ClientSession, url: str, body: dict[str
     for HTTP or connection errors (they come back as ``status``/``error_code``)."""
     start = time.perf_counter()
     first: float | None = None
-    chunks = 0
     usage: dict[str, Any] | None = None
     try:
         async with session.post(url, json=body, headers=headers,
@@ -83,15 +84,15 @@ async def send_measured(session: aiohttp.ClientSession, url: str, body: dict[str
                         usage = obj["usage"]
                     for c in obj.get("choices") or ():
                         if (c.get("delta") or {}).get("content") or c.get("text"):
-                            chunks += 1
+                            m.chunk_at.append(time.perf_counter())
                             if first is None:
-                                first = time.perf_counter()
+                                first = m.chunk_at[0]
     except (aiohttp.ClientError, TimeoutError) as e:
         return Measured(status=0, error_code=type(e).__name__, e2e_s=time.perf_counter() - start)
     end = time.perf_counter()
     m.e2e_s = end - start
     m.prompt_tokens = (usage or {}).get("prompt_tokens", 0)
-    m.completion_tokens = (usage or {}).get("completion_tokens", chunks)
+    m.completion_tokens = (usage or {}).get("completion_tokens", len(m.chunk_at))
     if first is not None:
         m.ttft_s = first - start
         if m.completion_tokens > 1:

@@ -10,13 +10,16 @@ bounds them) alternate path by path, prompt by prompt. At concurrency 8 the run 
 goes first alternating round by round (ABBA): 8 closed-loop clients send the round's
 prompts (a slice of all 500, the same sequence on both paths, cycled if used up), each
 client its next one as soon as its previous answer ends, for ``--round-s`` (default
-30) s. A path's throughput is the output tokens of the requests that ended within
-that window over its length (requests still running at its end are waited for and
-not counted, on both paths), so both paths are measured while the engine is
-saturated: a fixed list of prompts would end each round with a ramp-down whose
-length depends on which of the last requests are served, and an SLO gateway rightly
-sheds a request that would start past its TTFT target while the ramp-down leaves
-slots idle. ``throughput_ratio_c8`` is the median of the rounds' ratios (one round
+30) s. A path's throughput is the output tokens streamed within that window (content
+chunks, on both paths; the requests still running at its end are waited for, their
+later tokens not counted) over its length, so both paths are measured while the
+engine is saturated: a fixed list of prompts would end each round with a ramp-down
+whose length depends on which of the last requests are served, and an SLO gateway
+rightly sheds a request that would start past its TTFT target while the ramp-down
+leaves slots idle. Counting tokens rather than whole requests keeps the figure
+whole on an engine slow enough that a request at concurrency 8 outlasts the window.
+Its ``requests_s`` is that token rate over the mean output tokens of a request.
+``throughput_ratio_c8`` is the median of the rounds' ratios (one round
 disturbed by a burst of other work does not decide it); ``throughput_ratio_c8_pooled``
 the ratio of all rounds' tokens. ``gateway_cpu_c8``: the CPU of the gateway's own
 processes over its c8 windows, cores (it shares this machine's cores with a CPU
@@ -53,7 +56,7 @@ JSON: ``{"engine_kind", "direct_headers", "limit", "round_s", "direct"|"gateway"
 {ttft_rel_err_p50, ttft_rel_err_p90, samples}, "overload": {load, capacity_rps, rate,
 duration_s, slo, "direct"|"gateway": {goodput, slo_attainment: {interactive, standard,
 batch}, shed, offered}, interactive_ratio: gateway/direct} (or {skipped: why}, when no
-c8 request ended straight within a window), "load_avg": [1-min load
+c8 token was streamed straight within a window), "load_avg": [1-min load
 average at start, end], "config": {changed}}`` (``c8`` figures pool all rounds).
 ``config.changed``: the settings that differ from the shipped configuration and why
 (the launched gateway gets three tenants with the three priorities, for the overload
@@ -91,14 +94,27 @@ from loadtest.workloads.scenarios import TENANTS
 KEY_OF = {name: f"realprompts-{name}" for name, *_ in TENANTS}
 
 
-def summarize(results: list[Measured], wall_s: float) -> dict[str, Any]:
+def summarize(results: list[Measured], wall_s: float,
+              streamed: int | None = None) -> dict[str, Any]:
+    """Latency percentiles of the served ``results`` and throughput over ``wall_s`` s:
+    their output tokens and requests, or, given ``streamed`` (the content chunks that
+    arrived within the window, :func:`_run_for`), those chunks per second and, as
+    requests per second, that rate over the mean output tokens of a served request."""
     ok = [r for r in results if r.ok]
+    tokens = sum(r.completion_tokens for r in ok)
+    if not wall_s:
+        tok_s = req_s = 0.0
+    elif streamed is None:
+        tok_s, req_s = tokens / wall_s, len(ok) / wall_s
+    else:
+        tok_s = streamed / wall_s
+        req_s = tok_s * len(ok) / tokens if tokens else 0.0
     return {
         "ttft_p50_ms": percentile_ms([r.ttft_s for r in ok], 50),
         "ttft_p99_ms": percentile_ms([r.ttft_s for r in ok], 99),
         "tpot_p50_ms": percentile_ms([r.tpot_s for r in ok], 50),
-        "output_tok_s": round(sum(r.completion_tokens for r in ok) / wall_s, 2) if wall_s else 0,
-        "requests_s": round(len(ok) / wall_s, 3) if wall_s else 0,
+        "output_tok_s": round(tok_s, 2),
+        "requests_s": round(req_s, 3),
         "errors": len(results) - len(ok),
     }
 
@@ -129,25 +145,25 @@ def _body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
 
 async def _run_for(session: aiohttp.ClientSession, url: str, bodies: list[dict[str, Any]],
                    concurrency: int, duration_s: float, headers: dict[str, str] | None = None,
-                   ) -> list[Measured]:
+                   ) -> tuple[list[Measured], int]:
     """Closed loop for ``duration_s`` s: ``concurrency`` clients, each sending the next of
     ``bodies`` (cycled) as soon as its previous answer ends. Returns the results of the
-    requests that ended within the window; those running at its end are waited for and
-    left out."""
+    requests sent within the window (those running at its end are waited for) and the
+    content chunks that arrived within it: the window's throughput counts every token
+    streamed while all clients were busy, however long one request takes."""
     results: list[Measured] = []
     sent = 0
     start = time.perf_counter()
+    end = start + duration_s
 
     async def client() -> None:
         nonlocal sent
-        while time.perf_counter() - start < duration_s:
+        while time.perf_counter() < end:
             body, sent = bodies[sent % len(bodies)], sent + 1
-            m = await send_measured(session, url, body, headers)
-            if time.perf_counter() - start <= duration_s:
-                results.append(m)
+            results.append(await send_measured(session, url, body, headers))
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return results
+    return results, sum(t <= end for r in results for t in r.chunk_at)
 
 
 async def _gateway_limit(session: aiohttp.ClientSession, gateway: str) -> float | None:
@@ -193,24 +209,27 @@ async def measure(engine: str, gateway: str, model: str, prompts: list[str],
             out[name]["c1"] = summarize(c1[name], spent[name])
         through_gateway += c1["gateway"]
         c8: dict[str, list[Measured]] = {"direct": [], "gateway": []}
+        streamed = {"direct": 0, "gateway": 0}
         ratios, limits, cpu_s = [], [], 0.0
         for r in range(rounds):
             chunk = c8_bodies[r * len(c8_bodies) // rounds:(r + 1) * len(c8_bodies) // rounds]
             rate = {}
             for name in (["direct", "gateway"] if r % 2 == 0 else ["gateway", "direct"]):
                 cpu0 = gateway_cpu_s() if gateway_cpu_s and name == "gateway" else 0.0
-                results = await _run_for(session, paths[name], chunk, 8, round_s, headers[name])
+                results, chunks = await _run_for(session, paths[name], chunk, 8, round_s,
+                                                 headers[name])
                 if gateway_cpu_s and name == "gateway":
                     cpu_s += gateway_cpu_s() - cpu0
                 c8[name] += results
-                rate[name] = summarize(results, round_s)["output_tok_s"]
+                streamed[name] += chunks
+                rate[name] = chunks / round_s
                 if name == "gateway":
                     through_gateway += results
                     limits.append(await _gateway_limit(session, gateway))
             if rate["direct"]:
                 ratios.append(round(rate["gateway"] / rate["direct"], 4))
         for name in paths:
-            out[name]["c8"] = summarize(c8[name], rounds * round_s)
+            out[name]["c8"] = summarize(c8[name], rounds * round_s, streamed[name])
     d, g = out["direct"], out["gateway"]
     out["throughput_ratio_c8"] = round(statistics.median(ratios), 4) if ratios else None
     out["throughput_ratio_c8_rounds"] = ratios
@@ -364,8 +383,8 @@ async def run(engine: str, gateway: str, prompts: list[str], args: argparse.Name
         result["overload"], more = await overload(engine, gateway, args.model, prompts,
                                                   args.max_tokens, capacity, args, direct)
         through += more
-    elif args.overload_s > 0:  # nothing ended within a c8 window: no rate to scale
-        result["overload"] = {"skipped": "the engine completed no request within a c8 "
+    elif args.overload_s > 0:  # nothing streamed within a c8 window: no rate to scale
+        result["overload"] = {"skipped": "the engine streamed no token within a c8 "
                               "window straight (capacity 0 requests/s)"}
     errs = rel_errors(through)
     result["prediction"] = {"ttft_rel_err_p50": _q(errs, 0.5),

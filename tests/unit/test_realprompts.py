@@ -1,5 +1,5 @@
-"""loadtest.realprompts: the overload run's arrivals and scoring, and the TTFT
-prediction error read from the gateway's headers."""
+"""loadtest.realprompts: the overload run's arrivals and scoring, the TTFT prediction
+error read from the gateway's headers, and the concurrency-8 window's throughput."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from config.schema import SloConfig
 from loadtest.client import Measured
-from loadtest.realprompts import arrivals, rel_errors, score
+from loadtest.realprompts import arrivals, rel_errors, score, summarize
 
 
 def test_arrivals_are_poisson_within_the_window_with_the_tenant_shares() -> None:
@@ -45,11 +45,14 @@ def test_rel_errors_compare_the_prediction_with_ttft_less_the_queue_wait() -> No
     assert errs == pytest.approx([0.2, 0.5])
 
 
-async def test_run_for_keeps_every_client_busy_and_counts_what_ends_in_the_window() -> None:
+async def test_run_for_keeps_every_client_busy_and_counts_the_tokens_streamed_in_the_window(
+        ) -> None:
     """Closed loop over loopback HTTP: each client sends its next body as soon as its
-    answer ends, the bodies cycle, and an answer that ends after the window is left
-    out (the server holds the first request past it)."""
+    answer ends, the bodies cycle, and a stream that outlasts the window counts the
+    chunks it streamed within it, not those after (the server holds the first
+    request's second chunk past the window)."""
     import asyncio
+    import json
 
     import aiohttp
     from aiohttp import web
@@ -59,12 +62,19 @@ async def test_run_for_keeps_every_client_busy_and_counts_what_ends_in_the_windo
     seen: list[str] = []
     release = asyncio.Event()
 
-    async def chat(request: web.Request) -> web.Response:
+    async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         seen.append(body["messages"][0]["content"])
-        if len(seen) == 1:
-            await release.wait()  # answered after the window
-        return web.json_response({"usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(2):
+            if i == 1 and len(seen) == 1:
+                await release.wait()  # the first request's second chunk: after the window
+            chunk = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return resp
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
@@ -73,7 +83,8 @@ async def test_run_for_keeps_every_client_busy_and_counts_what_ends_in_the_windo
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    bodies = [{"model": "m", "messages": [{"role": "user", "content": c}]} for c in "abc"]
+    bodies = [{"model": "m", "stream": True, "messages": [{"role": "user", "content": c}]}
+              for c in "abc"]
     try:
         async with aiohttp.ClientSession() as session:
             task = asyncio.create_task(_run_for(session, f"http://127.0.0.1:{port}"
@@ -81,10 +92,25 @@ async def test_run_for_keeps_every_client_busy_and_counts_what_ends_in_the_windo
             done, _ = await asyncio.wait({task}, timeout=0.6)
             assert not done  # the held request keeps the run open past its window
             release.set()
-            results = await task
+            results, streamed = await task
     finally:
         await runner.cleanup()
     assert seen[:4] == ["a", "b", "c", "a"]  # one sequence, cycled, over both clients
-    # left out: the held one, and the other client's request if it ran at the window's end
-    assert len(seen) - 2 <= len(results) <= len(seen) - 1
-    assert all(r.ok and r.completion_tokens == 2 for r in results)
+    assert len(results) == len(seen)  # every request sent in the window is waited for
+    assert all(r.ok and r.completion_tokens == 2 and len(r.chunk_at) == 2 for r in results)
+    # the held request's second chunk came after the window; every other request was
+    # answered within it, save perhaps the other client's last one at the window's end
+    total = 2 * len(results)
+    assert total - 3 <= streamed <= total - 1
+
+
+def test_summarize_rates_a_window_by_its_streamed_tokens() -> None:
+    """Given the chunks streamed within the window, throughput is those over its
+    length and the request rate that over a served request's mean output tokens
+    (errors count in neither); without them, whole answers over the wall time."""
+    served = [Measured(status=200, completion_tokens=4), Measured(status=200, completion_tokens=2),
+              Measured(status=503, error_code="overloaded")]
+    windowed = summarize(served, 10.0, streamed=30)
+    assert (windowed["output_tok_s"], windowed["requests_s"], windowed["errors"]) == (3.0, 1.0, 1)
+    whole = summarize(served, 2.0)
+    assert (whole["output_tok_s"], whole["requests_s"]) == (3.0, 1.0)
