@@ -558,14 +558,17 @@ class DisaggregationConfig(_Strict):
     into a prefill leg and a decode leg (only for models with ``role: prefill``
     engines; ``gateway.disagg``).
 
-    ``policy``: ``predicted`` chooses per request from predicted TTFT (prefill wait +
-    uncached prefill + KV transfer + decode-engine wait), running the prompt on a
-    decode engine instead when that meets the TTFT target (or is sooner) and stalls
-    that engine's running streams by at most ``max_decode_stall_ms``; ``threshold``
-    splits every prompt of at least ``threshold_tokens`` tokens (the fixed threshold,
-    the baseline).
-    ``max_decode_stall_ms`` bounds the prefill backlog a busy decode engine may take
-    on, hence the longest inter-token gap its streams see from local prefills.
+    ``policy``: ``predicted`` chooses per request the sooner by predicted TTFT of
+    splitting it (prefill wait + uncached prefill + KV transfer + decode-engine wait)
+    and running it on a decode engine, where a busy decode engine takes only prompts
+    that fit one step's prefill budget and holds them at the gateway until they fit
+    beside its outstanding prefill; ``threshold`` splits every prompt of at least
+    ``threshold_tokens`` tokens and sends the others to a decode engine at once (the
+    fixed threshold, the baseline).
+    ``max_decode_stall_ms``: how far the prefill one step of a busy decode engine
+    carries may stretch its streams' inter-token gaps; None (default): up to the
+    tightest TPOT target (Sarathi-Serve's token budget from the engine's fitted step
+    time, :meth:`gateway.disagg.Disaggregator.step_tokens`).
     ``kv_bytes_per_token`` (2 × layers × KV heads × head dim × dtype bytes) and
     ``transfer_gbps`` give the predicted transfer time (None: not counted).
     ``prefill_tokens_per_s`` is each engine's prefill speed until the gateway has
@@ -578,8 +581,9 @@ class DisaggregationConfig(_Strict):
 
     policy: Literal["predicted", "threshold"] = "predicted"
     threshold_tokens: int = Field(512, ge=1, description="split prompts this long, tokens")
-    max_decode_stall_ms: float = Field(
-        200.0, ge=0, description="largest predicted prefill backlog on a busy decode engine, ms")
+    max_decode_stall_ms: float | None = Field(
+        None, ge=0, description="time the prefill in one step of a busy decode engine may "
+                                "add to it, ms (None: up to the TPOT target)")
     kv_bytes_per_token: int | None = Field(None, ge=1, description="bytes of KV per token")
     transfer_gbps: float = Field(100.0, gt=0, description="KV transfer bandwidth, Gbit/s")
     prefill_tokens_per_s: float = Field(

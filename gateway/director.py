@@ -133,7 +133,8 @@ class Director:
         self.adaptive = cfg.engines.saturation.adaptive
         #: prefill–decode disaggregation, for models with prefill engines
         self.split_models = _split_models(cfg.engines)
-        disagg = Disaggregator(cfg.engines.disaggregation, clock)
+        disagg = Disaggregator(cfg.engines.disaggregation, clock, tpot_target_s=min(
+            self.slo.target(p).tpot_s for p in PRIORITIES))
         self.placer = Placer(pool=pool, scheduler=scheduler, detector=detector, clock=clock,
                              disagg=disagg, split_models=self.split_models,
                              slo=self.slo, adaptive=self.adaptive,
@@ -446,12 +447,7 @@ class Director:
                     first.sheddable)
             except LegShed as e:
                 first.release()
-                target = self.slo.target(tenant.priority).ttft_s
-                raise Rejected(Outcome.OVERLOADED,
-                               f"this {tenant.priority} request's prefill could not start "
-                               f"within its {target:g} s TTFT target any more; shed",
-                               retry_after_s=queue.retry_after_s(),
-                               reason="predicted_miss") from e
+                raise self._prefill_shed(tenant, queue) from e
             except asyncio.CancelledError:
                 rec.prompt_tokens = req.prompt_tokens  # the prefill engine computed it
                 first.release()
@@ -473,6 +469,8 @@ class Director:
                     if not e.retryable:
                         break
                     continue
+                except LegShed as e:  # its local prefill, held past its latest start
+                    raise self._prefill_shed(tenant, queue) from e
                 except asyncio.CancelledError:
                     rec.prompt_tokens = req.prompt_tokens  # the engine did the prefill
                     raise
@@ -480,6 +478,15 @@ class Director:
                 return result
         assert failed is not None
         raise self._final_error(req, failed)
+
+    def _prefill_shed(self, tenant: TenantQuota, queue: AdmissionQueue[Placement]) -> Rejected:
+        """The error of a request whose prefill was held at the gateway past its
+        latest start (:class:`gateway.prefill_queue.LegShed`)."""
+        target = self.slo.target(tenant.priority).ttft_s
+        return Rejected(Outcome.OVERLOADED,
+                        f"this {tenant.priority} request's prefill could not start "
+                        f"within its {target:g} s TTFT target any more; shed",
+                        retry_after_s=queue.retry_after_s(), reason="predicted_miss")
 
     async def _send(self, request: web.Request, req: InferenceRequest, rec: RequestRecord,
                     placement: Placement, prefilled: Engine | None,
@@ -514,8 +521,12 @@ class Director:
             headers["x-sluice-ttft-predicted-ms"] = f"{flight.predicted_ttft_s * 1000:.1f}"
         # a whole request of a split model: its prompt is prefill queued on the engine
         tracked = req.model in self.split_models and prefilled is None
+        held = None
+        if tracked:
+            with self.spans("queue.prefill"):
+                held = await self.placer.hold_local_prefill(placement)
         with self.spans("upstream", kind=SpanKind.CLIENT) as span, \
-                self.placer.prefill_tracking(placement, tracked) as first_token:
+                self.placer.prefill_tracking(placement, tracked, held) as first_token:
             span.set_attribute("sluice.engine", engine.id)
             upstream = {"x-request-id": rec.request_id}
             if self.spans.enabled:

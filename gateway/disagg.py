@@ -22,33 +22,43 @@ The choice (:meth:`Disaggregator.choose`), per request, among running the whole
 request on a decode engine d ("local") or splitting it over a prefill engine p and
 a decode engine d, from an explicit prediction of TTFT, s::
 
-    local(d)    = wait(d) + uncached(d) × c(d)
-    split(p, d) = wait(p) + uncached(p) × c(p) + transfer(prompt − cached(d)) + wait(d)
+    local(d)    = wait(d, uncached(d)) + uncached(d) × c(d)
+    split(p, d) = wait(p, uncached(p)) + uncached(p) × c(p)
+                  + transfer(prompt − cached(d)) + outstanding(d) × c(d)
 
 where ``uncached(e)`` is the prompt less the leading blocks the prefix index says
-``e`` holds, ``wait(e)`` = ``c(e)`` × the prompt tokens this gateway has sent to ``e``
-that have not produced their first token yet (the prefill queue) — on a prefill
-engine plus the legs held at the gateway that are no longer than this one
-(:meth:`gateway.prefill_queue.PrefillQueue.wait_s`: they leave before it) — ``c(e)`` the
+``e`` holds, ``outstanding(e)`` the prompt tokens this gateway has sent to ``e``
+that have not produced their first token yet, ``wait(e, n)`` = ``c(e)`` × those
+plus the prefills of at most ``n`` tokens held at the gateway for ``e`` (they leave
+before this one: :meth:`gateway.prefill_queue.PrefillQueue.wait_s`), ``c(e)`` the
 engine's observed seconds per prefill token (:class:`PrefillSpeed`), and transfer
-time ``tokens × kv_bytes_per_token × 8 / (transfer_gbps × 10⁹)``. The TPOT side is a
-constraint: prefills on a decode engine stall the streams decoding there for as long
-as its prefill backlog lasts, so a local prefill is allowed only while d has no
-request of this gateway in flight, or its backlog including this prompt,
-``wait(d) + uncached(d) × c(d)``, is at most ``max_decode_stall_ms``. Among the
-allowed options predicted to start within the request's TTFT budget (its band's
-target less the time it waited), a local one wins: it takes only a decode engine's
-spare prefill time, leaving the prefill engines to the prompts that cannot run
-locally; otherwise the sooner allowed option wins (ties: the decode engine with fewer
-requests in flight). So a short prompt, or one already cached on a decode engine,
-skips the prefill leg, and a burst that queues on the prefill engines spills onto
-decode engines within the stall budget. The ``threshold`` policy splits
-exactly the prompts of at least ``threshold_tokens`` (estimated) tokens over the
-same pair the prediction would choose.
+time ``tokens × kv_bytes_per_token × 8 / (transfer_gbps × 10⁹)``. The sooner option
+wins (ties: the decode engine with fewer requests in flight).
 
-The estimate is this module's own (load the gateway sees plus observed prefill
-speeds), not a learned latency model. With adaptive admission the decode lease holds
-a flight in the decode engine's latency ledger like a whole request; a decode leg
+The TPOT side is a per-step budget. vLLM's chunked prefill puts the waiting prompt
+tokens into the next step (up to ``max_num_batched_tokens``), and every stream
+decoding on the engine waits for that step; so a step that carries ``P`` prefill
+tokens stretches each of their inter-token gaps by ``b2 × P`` (the latency model's
+prefill interference per token). Sarathi-Serve (Agrawal et al., OSDI 2024, §4)
+sizes the token budget of a step from the TBT SLO; here a decode engine's step may
+carry :meth:`Disaggregator.step_tokens`: the prompt tokens that keep TPOT̂ at its
+batch within the tightest TPOT target, ``(τ − b0 − b1 × (batch + 1)) / b2``, or that
+add ``max_decode_stall_ms`` to a step when it is set. A local prefill is offered
+only where the prompt fits that budget in one step (or
+the engine has nothing in flight: nobody to stall), and it is sent only when it fits
+beside the prefill already outstanding there (``gateway.prefill_queue``: held at
+the gateway until then, shortest first within the deadlines). So every step on a
+decode engine stays within the TPOT target, a short prompt or one already cached on
+a decode engine skips the prefill leg, and in a burst the decode engines take
+prefill work up to what their streams can bear. The ``threshold`` policy (the
+baseline of public routers) splits exactly the prompts of at least
+``threshold_tokens`` (estimated) tokens over the same pair the prediction would
+choose, and runs the others on a decode engine at once.
+
+The TTFT estimate is this module's own (load the gateway sees plus observed prefill
+speeds), not the learned latency model, which gives only the decode step. With
+adaptive admission the decode lease holds a flight in the decode engine's latency
+ledger like a whole request; a decode leg
 computes none of the prompt there (vLLM counts the loaded tokens as
 ``vllm:external_prefix_cache_hits``, which the latency model does not take for
 prefill), so its TTFT rule counts only the prefill queued ahead of it. And with
@@ -221,15 +231,20 @@ class Disaggregator:
         cfg: the ``disaggregation`` section.
         clock: monotonic time, s, for the prefill-speed observations
             (:attr:`speed`, which the legs update).
+        tpot_target_s: the tightest TPOT target of the SLO bands, s (the decode
+            engines' step budget, :meth:`step_tokens`).
     """
 
-    def __init__(self, cfg: DisaggregationConfig,
-                 clock: Clock = MONOTONIC) -> None:
+    def __init__(self, cfg: DisaggregationConfig, clock: Clock = MONOTONIC, *,
+                 tpot_target_s: float = 0.1) -> None:
         self.cfg = cfg
+        self.tpot_target_s = tpot_target_s
         self.speed = PrefillSpeed(1.0 / cfg.prefill_tokens_per_s, clock)
-        #: split requests' prefill legs held at the gateway, per prefill engine
+        #: prefills held at the gateway: split requests' legs per prefill engine, and
+        #: (``predicted`` policy) local prefills per decode engine
         self.queue = PrefillQueue(self.speed.outstanding, self.speed.c, clock,
-                                  hold_tokens=cfg.prefill_hold_tokens)
+                                  hold_tokens=cfg.prefill_hold_tokens,
+                                  step_tokens=self.step_tokens)
         bits = (cfg.kv_bytes_per_token or 0) * 8
         #: predicted transfer time per token, s
         self.transfer_s_per_token = bits / (cfg.transfer_gbps * 1e9)
@@ -239,34 +254,57 @@ class Disaggregator:
         """Whether a model served by ``engines`` has prefill engines at all."""
         return any(role(e) == "prefill" for e in engines)
 
+    @property
+    def holds_local(self) -> bool:
+        """Whether whole requests' prefills on decode engines go through
+        :attr:`queue` (the ``predicted`` policy; the ``threshold`` baseline sends
+        them at once)."""
+        return self.cfg.policy == "predicted"
+
+    def step_tokens(self, engine: Engine) -> float | None:
+        """The uncached prompt tokens one step of decode engine ``engine`` may carry
+        (module docstring; :attr:`queue`'s budget): its trusted latency model's
+        :meth:`~limits.latency_model.LatencyModel.prefill_budget` for
+        :attr:`tpot_target_s` at its batch + 1 (or for ``max_decode_stall_ms`` when
+        set); without one, that target (or stall) over the engine's observed seconds
+        per prefill token (:class:`PrefillSpeed`, an upper bound: it counts the
+        fixed part of the step too). None for a prefill engine (held by
+        ``prefill_hold_tokens`` instead)."""
+        if role(engine) == "prefill":
+            return None
+        stall_ms = self.cfg.max_decode_stall_ms
+        stall_s = None if stall_ms is None else stall_ms / 1000.0
+        ledger = engine.latency
+        if ledger is not None and ledger.model.confident:
+            budget = ledger.model.prefill_budget(self.tpot_target_s, ledger.decoding + 1,
+                                                 stall_s)
+            if budget is not None:
+                return budget
+        return (self.tpot_target_s if stall_s is None else stall_s) / self.speed.c(engine)
+
     def choose(self, prompt_tokens: int, cached: Mapping[str, int],
-               decode: Sequence[Engine], prefill: Sequence[Engine],
-               ttft_budget_s: float = math.inf) -> Choice | None:
-        """The option for a request of ``prompt_tokens`` (estimated) tokens.
+               decode: Sequence[Engine], prefill: Sequence[Engine]) -> Choice | None:
+        """The option for a request of ``prompt_tokens`` (estimated) tokens: the
+        soonest allowed one (module docstring).
 
         Args:
             cached: engine id → leading prompt tokens it holds (prefix index).
             decode: candidate engines for a whole request or a decode leg (admitting
                 now); prefill: candidate prefill engines (admitting now).
-            ttft_budget_s: the time left before the request's TTFT target, s
-                (the default, infinite: every option is in time).
 
         Returns None when ``decode`` is empty.
         """
-        if not decode:
-            return None
-        stall_s = self.cfg.max_decode_stall_ms / 1000.0
-        best: tuple[tuple[bool, bool, float, int], Choice] | None = None
+        best: tuple[tuple[float, int], Choice] | None = None
 
         def offer(choice: Choice) -> None:
             nonlocal best
-            on_time = choice.ttft_s <= ttft_budget_s
-            key = (not on_time, on_time and choice.prefill is not None, choice.ttft_s,
-                   choice.decode.in_flight)
+            key = (choice.ttft_s, choice.decode.in_flight)
             if best is None or key < best[0]:
                 best = (key, choice)
 
-        split_wanted = self.cfg.policy == "predicted" or prompt_tokens >= self.cfg.threshold_tokens
+        predicted = self.cfg.policy == "predicted"
+        split_wanted = bool(prefill) and (predicted
+                                          or prompt_tokens >= self.cfg.threshold_tokens)
         legs: dict[str, tuple[int, float]] = {}  # prefill engine → its tokens, its wait (s)
         for p in prefill if split_wanted else ():
             n = max(1, prompt_tokens - cached.get(p.id, 0))
@@ -275,15 +313,13 @@ class Disaggregator:
             wait_d = self.speed.wait_s(d)
             uncached_d = max(1, prompt_tokens - cached.get(d.id, 0))
             local_s = uncached_d * self.speed.c(d)
-            may_local = (self.cfg.policy == "predicted"
-                         and (d.in_flight == 0 or wait_d + local_s <= stall_s)
-                         or self.cfg.policy == "threshold" and not split_wanted
-                         or not prefill)
-            if may_local:
+            if not split_wanted:
                 offer(Choice(d, None, wait_d + local_s, uncached_d, local_s,
                              self.speed.observed(d)))
-            if not split_wanted:
                 continue
+            if predicted and (d.in_flight == 0 or uncached_d <= (self.step_tokens(d) or 0)):
+                offer(Choice(d, None, self.queue.wait_s(d, uncached_d) + local_s,
+                             uncached_d, local_s, self.speed.observed(d)))
             moved_s = (prompt_tokens - cached.get(d.id, 0)) * self.transfer_s_per_token
             for p in prefill:
                 if p is d:

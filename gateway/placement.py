@@ -52,11 +52,12 @@ class Placement:
     idempotent, so the admission queue's undo and the exit may both run.
 
     A split request also holds ``prefill``, the lease on its prefill engine (the
-    prompt's blocks), until its prefill leg ends, and its leg's latest start
-    ``start_by`` (clock time, s: placement + TTFT budget − the option's time alone) and
-    whether it is shed past it while held (``sheddable``:
-    :class:`gateway.prefill_queue.PrefillQueue`); ``uncached`` is the prompt tokens
-    the first engine is predicted to compute. With adaptive admission, ``flight`` is
+    prompt's blocks), until its prefill leg ends. A request of a split model has its
+    prefill's latest start ``start_by`` (clock time, s: placement + TTFT budget − the
+    option's time alone) and whether it is shed past it while held (``sheddable``:
+    :class:`gateway.prefill_queue.PrefillQueue`: the prefill leg's, or the local
+    prefill's on the decode engine); ``uncached`` is the prompt tokens the first
+    engine is predicted to compute. With adaptive admission, ``flight`` is
     the request's entry in the engine's latency ledger and ``on_release`` closes it
     (once, on the first :meth:`release`).
     """
@@ -351,7 +352,7 @@ class Placer:
         cached = ({e.id: self.scheduler.index.match(e, sched.blocks, now) * sched.block_size
                    for e in (*candidates, *prefill)} if sched.blocks and sched.block_size else {})
         budget = self.ttft_budget_s(need, now)
-        choice = self.disagg.choose(sched.prompt_tokens, cached, candidates, prefill, budget)
+        choice = self.disagg.choose(sched.prompt_tokens, cached, candidates, prefill)
         if choice is None:
             return None
         sheddable = self._sheddable(need, choice)
@@ -361,11 +362,10 @@ class Placer:
         self.scheduler.record(sched, choice.decode, now)
         scores = {"pd_split": float(choice.prefill is not None),
                   "pd_predicted_ttft_ms": choice.ttft_s * 1000}
-        placement = Placement(lease, scores, uncached=choice.uncached)
+        placement = Placement(lease, scores, uncached=choice.uncached,
+                              start_by=now + budget - choice.alone_s, sheddable=sheddable)
         if choice.prefill is not None:
             placement.prefill = self._lease_prefill(need, choice.prefill, now)
-            placement.start_by = now + budget - choice.alone_s
-            placement.sheddable = sheddable
         if choice.decode.latency is not None:  # the decode engine's ledger holds it
             local = choice.uncached if choice.prefill is None else 0  # a leg: KV loaded
             placement.flight = choice.decode.latency.sent(
@@ -429,17 +429,50 @@ class Placer:
             best = min(others, key=lambda e: self.disagg.queue.wait_s(e, placement.uncached))
             lease = placement.prefill = self._lease_prefill(need, best, self.clock.now())
 
+    async def hold_local_prefill(self, placement: Placement) -> Callable[[], None] | None:
+        """For a whole request of a split model on ``placement``'s engine, where the
+        policy holds local prefills (:attr:`gateway.disagg.Disaggregator.holds_local`):
+        wait until its prompt fits the engine's step budget
+        (:class:`gateway.prefill_queue.PrefillQueue`) and return the callback for
+        :meth:`prefill_tracking`; None where nothing is held.
+
+        Raises:
+            LegShed: it was held past its latest start and shed.
+            asyncio.CancelledError: the caller was cancelled (it leaves the queue).
+        """
+        if self.disagg is None or not self.disagg.holds_local:
+            return None
+        return await self.disagg.queue.admit(placement.engine, placement.uncached,
+                                             placement.start_by, placement.sheddable)
+
     @contextmanager
-    def prefill_tracking(self, placement: Placement,
-                         tracked: bool) -> Iterator[Callable[[], None] | None]:
+    def prefill_tracking(self, placement: Placement, tracked: bool,
+                         held: Callable[[], None] | None = None,
+                         ) -> Iterator[Callable[[], None] | None]:
         """While a ``tracked`` whole request runs on ``placement``'s engine, count its
         uncached prompt as queued prefill there (the split choice's prediction);
-        yields the first-token callback, or None when not tracked."""
+        yields the first-token callback, or None when not tracked. ``held``: the
+        callback :meth:`hold_local_prefill` returned; its place in the queue is freed
+        once the prompt counts as outstanding, and the queue is released at the first
+        token and at the end."""
         if not tracked or self.disagg is None:
             yield None
             return
-        with self.disagg.speed.track(placement.engine, placement.uncached) as first_token:
-            yield first_token
+        engine, queue = placement.engine, self.disagg.queue
+        try:
+            with self.disagg.speed.track(engine, placement.uncached) as first_token:
+                if held is None:
+                    yield first_token
+                    return
+                held()
+
+                def computed() -> None:
+                    first_token()
+                    queue.release(engine)
+                yield computed
+        finally:
+            if held is not None:
+                queue.release(engine)
 
     def attempts(self, first: Placement, need: Need, max_attempts: int) -> Iterator[Placement]:
         """``first``, then — each time the caller asks for another (its attempt failed

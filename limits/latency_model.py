@@ -261,6 +261,20 @@ class LatencyModel:
         self._knee = (key, lo)
         return lo
 
+    def prefill_budget(self, tpot_target_s: float, batch: float,
+                       stall_s: float | None = None) -> float | None:
+        """The most uncached prompt tokens one decode step at ``batch`` sequences may
+        carry while TPOT̂ (mean) stays within ``tpot_target_s`` (s): ``(τ − b0 − b1 ×
+        batch) / b2``, Sarathi-Serve's token budget (Agrawal et al., OSDI 2024, §4)
+        from the fitted step time; or, given ``stall_s``, the tokens that add that
+        much to a step, ``stall_s / b2``. Tokens, ≥ 0; None where the fit sees no
+        prefill interference (``b2`` = 0)."""
+        b0, b1, b2 = self.tpot.theta
+        if b2 <= 0:
+            return None
+        room = tpot_target_s - b0 - b1 * batch if stall_s is None else stall_s
+        return max(0.0, room) / b2
+
     @property
     def alone_observed(self) -> bool:
         """Whether the TPOT fit still remembers a sample at a mean batch of at most

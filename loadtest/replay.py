@@ -367,8 +367,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="split choice: per-request prediction, or a fixed prompt threshold")
     p.add_argument("--pd-threshold-tokens", type=int, default=512,
                    help="prompt tokens from which --pd-policy threshold splits")
-    p.add_argument("--pd-max-stall-ms", type=float, default=200.0,
-                   help="disaggregation.max_decode_stall_ms of --pd-policy predicted")
+    p.add_argument("--pd-max-stall-ms", type=float,
+                   help="disaggregation.max_decode_stall_ms of --pd-policy predicted "
+                        "(default: the shipped one, from the TPOT target)")
     p.add_argument("--kv-transfer-gbps", type=float, default=100.0,
                    help="KV transfer bandwidth between simulated engines, Gbit/s")
     p.add_argument("--index-bytes", type=int, default=512 << 20,
@@ -504,9 +505,10 @@ def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
         # what an operator knows of the fleet: the model's KV bytes per token and the
         # link between engines
         disaggregation = {"policy": args.pd_policy, "threshold_tokens": args.pd_threshold_tokens,
-                          "max_decode_stall_ms": args.pd_max_stall_ms,
                           "kv_bytes_per_token": get_profile(args.sim_profile).kv_bytes_per_token,
                           "transfer_gbps": args.kv_transfer_gbps}
+        if args.pd_max_stall_ms is not None:
+            disaggregation["max_decode_stall_ms"] = args.pd_max_stall_ms
     folder = Path(args.config_out or tempfile.mkdtemp(prefix="sluice-bench-"))
     if gateways > 1:
         folder = folder / f"gateways-{gateways}"

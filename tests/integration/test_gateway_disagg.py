@@ -1,8 +1,10 @@
 """Prefill–decode disaggregation through the gateway over real loopback HTTP, in
 front of simulated engines with KV connectors (and fake engines for failures):
 both legs field by field as vLLM's proxy sends them, one request id, accounting
-charged once, failures on each leg, client disconnect during each leg, and a
-prompt cached on a decode engine that skips the prefill leg."""
+charged once, failures on each leg, client disconnect during each leg, a prompt
+cached on a decode engine that skips the prefill leg, and the prefills held at the
+gateway (prefill legs, and local prompts beyond a busy decode engine's step
+budget)."""
 
 from __future__ import annotations
 
@@ -318,4 +320,47 @@ async def test_a_held_leg_past_its_latest_start_is_shed_with_an_openai_error():
         shed = {dict(k[1]).get("reason"): v for k, v in m.items()
                 if k[0] == "sluice_rejected_total"}
         assert shed == {"overloaded:predicted_miss": 1}
+        await wait_for(lambda: idle(gw), 10)
+
+
+async def test_a_busy_decode_engine_takes_local_prompts_within_its_step_budget():
+    """``predicted`` policy, a decode engine streaming: a prompt that fits its step
+    budget runs there; a second one that does not fit beside the first's prefill
+    waits at the gateway until that prefill ends; a prompt longer than the budget is
+    split."""
+    first = " ".join(f"alpha{i} of a prompt" for i in range(120))  # ~600 tokens
+    second = " ".join(f"beta{i} of a prompt" for i in range(120))
+    async with fleet(["prefill", "decode"], speed=2.0,
+                     disaggregation={"policy": "predicted", "max_decode_stall_ms": 100},
+                     ) as (gw, (p, d), _):
+        disagg = gw.app[DIRECTOR].placer.disagg
+        (decode,) = [e for e in gw.pool.engines if e.id == "decode1"]
+        # 100 ms of stall at the prior 100 µs per prefill token: 1,000 tokens a step
+        assert disagg.step_tokens(decode) == 1000
+        # a prefill engine observed to be slow: every split is predicted later
+        disagg.speed.s_per_token["prefill0"] = 1.0
+        busy = await gw.post("/v1/chat/completions",
+                             {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 1000, "stream": True})
+        await busy.content.readuntil(b"\n\n")
+
+        async def ask(text: str) -> tuple[int, str | None]:
+            body = {**CHAT, "messages": [{"role": "user", "content": text}]}
+            async with await gw.post("/v1/chat/completions", body) as r:
+                await r.read()
+                return r.status, r.headers.get("x-sluice-prefill-engine")
+
+        a = asyncio.create_task(ask(first))
+        await wait_for(lambda: len(d.received) == 2)  # sent at once: nothing outstanding
+        b = asyncio.create_task(ask(second))
+        await wait_for(lambda: len(disagg.queue.held.get("decode1", ())) == 1)
+        m = await gateway_metrics(gw)
+        assert m[("sluice_prefill_legs_held", (("engine", "decode1"), ("model", MODEL)))] == 1
+        assert len(d.received) == 2  # held while the first prompt's prefill runs
+        assert await asyncio.gather(a, b) == [(200, None), (200, None)]  # both local
+        assert [x["messages"][0]["content"] for x in d.received[1:]] == [first, second]
+        assert p.received == []
+        status, prefill = await ask(LONG)  # longer than the budget: split
+        assert (status, prefill) == (200, "prefill0") and len(p.received) == 1
+        busy.close()
         await wait_for(lambda: idle(gw), 10)

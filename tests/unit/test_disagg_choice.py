@@ -88,19 +88,21 @@ def test_predicted_policy_uses_the_decode_engines_cache_and_the_prefill_queue():
     assert d.choose(3000, {}, [busy, eng("d2", "decode")], [p]).decode.id == "d2"
 
 
-def test_within_the_ttft_budget_a_local_prefill_wins_over_a_sooner_split():
+def test_the_sooner_option_wins_local_or_split():
     cfg = DisaggregationConfig(max_decode_stall_ms=200, prefill_tokens_per_s=10_000)
     d = Disaggregator(cfg)
     p, busy = eng("p", "prefill"), eng("d", "decode", in_flight=2)
     d.speed.s_per_token.update(p=5e-5)  # the prefill engine computes twice as fast
-    # 1000 tokens: split 50 ms, local 100 ms (within the stall budget)
-    local = d.choose(1000, {}, [busy], [p], ttft_budget_s=0.5)
-    assert local.prefill is None and local.ttft_s == pytest.approx(0.1)
-    assert d.choose(1000, {}, [busy], [p]).prefill is None  # no target: all in time
-    # a budget only the split meets: split
-    assert d.choose(1000, {}, [busy], [p], ttft_budget_s=0.08).prefill is p
-    # a budget nothing meets: the sooner
-    assert d.choose(1000, {}, [busy], [p], ttft_budget_s=0.01).prefill is p
+    # 1000 tokens (within the 2,000-token step budget): split 50 ms, local 100 ms
+    split = d.choose(1000, {}, [busy], [p])
+    assert split.prefill is p and split.ttft_s == pytest.approx(0.05)
+    # 800 of them cached on the decode engine: local 20 ms beats the split
+    local = d.choose(1000, {"d": 800}, [busy], [p])
+    assert local.prefill is None and local.ttft_s == pytest.approx(0.02)
+    # prefill held at the gateway for the decode engine counts ahead of a local prompt
+    d.speed.start(busy, 1000)  # 100 ms outstanding there, also ahead of a decode leg
+    assert d.choose(1000, {"d": 800}, [busy], [p]).ttft_s == pytest.approx(0.12)
+    assert d.choose(1000, {}, [busy], [p]).ttft_s == pytest.approx(0.15)
 
 
 def test_pair_choice_prefers_the_shorter_prefill_queue_then_the_less_busy_decode():
@@ -136,14 +138,46 @@ def test_launch_commands_carry_the_role_and_connector():
     assert "--kv-connector" not in plain and "--role" not in plain
 
 
-def test_a_busy_decode_engine_takes_local_prefills_only_within_its_backlog_budget():
+def test_a_busy_decode_engine_takes_local_prompts_that_fit_its_step_budget():
     cfg = DisaggregationConfig(max_decode_stall_ms=200, prefill_tokens_per_s=10_000)
     d = Disaggregator(cfg)
     p, busy = eng("p", "prefill"), eng("d", "decode", in_flight=1)
     d.speed.start(p, 50_000)  # the prefill engine is 5 s behind
-    assert d.choose(1500, {}, [busy], [p]).prefill is None  # 150 ms backlog: local
-    d.speed.start(busy, 1000)  # 100 ms of prefill already queued on the decode engine
-    assert d.choose(1500, {}, [busy], [p]).prefill is p  # 250 ms > 200 ms: split
+    assert d.step_tokens(busy) == pytest.approx(2000)  # 200 ms at 100 µs per token
+    assert d.step_tokens(p) is None  # a prefill engine is held by prefill_hold_tokens
+    assert d.choose(2000, {}, [busy], [p]).prefill is None  # fits one step: local
+    d.speed.start(busy, 1000)  # queued behind 100 ms of prefill there: still local
+    assert d.choose(2000, {}, [busy], [p]).prefill is None
+    assert d.choose(2001, {}, [busy], [p]).prefill is p  # one step too long: split
+    # an idle decode engine stalls no stream: any prompt
+    assert d.choose(20_000, {}, [eng("d2", "decode")], [p]).prefill is None
+
+
+def test_the_step_budget_comes_from_a_trusted_latency_model():
+    """Sarathi-Serve's token budget: ``(τ − b0 − b1 × (batch + 1)) / b2`` from the
+    decode engine's fitted step time once the model is trusted; before, the TPOT
+    target over the observed prefill speed."""
+    from limits.engine_latency import EngineLatency
+    from limits.latency_model import LatencyModel, LatencyPrior
+
+    clock = ManualClock()
+    prior = LatencyPrior(step_s=0.01, step_s_per_seq=0.001, step_s_per_prefill_token=5e-5)
+    model = LatencyModel(prior, min_samples=5)
+    busy = eng("d", "decode", in_flight=3)
+    busy.latency = EngineLatency(model, clock)
+    for _ in range(3):
+        busy.latency.first_token(busy.latency.sent(0, 100, 0.1))
+    d = Disaggregator(DisaggregationConfig(prefill_tokens_per_s=10_000), clock,
+                      tpot_target_s=0.1)
+    assert not model.confident
+    assert d.step_tokens(busy) == pytest.approx(1000)  # 100 ms at 100 µs per token
+    for _ in range(12):  # steps exactly as the prior says: trusted, parameters kept
+        model.observe_tpot(0.01 + 0.001 * 4 + 5e-5 * 100, 4, 100, 50)
+    assert model.confident
+    # 3 decoding + this one: (0.1 − 0.01 − 0.004) / 5e-5 = 1,720 tokens
+    assert d.step_tokens(busy) == pytest.approx(1720, rel=0.02)
+    stalled = Disaggregator(DisaggregationConfig(max_decode_stall_ms=20), clock)
+    assert stalled.step_tokens(busy) == pytest.approx(400, rel=0.02)  # 20 ms / 50 µs
 
 
 def test_track_observes_the_first_token_time_on_the_injected_clock():

@@ -686,3 +686,15 @@ def test_urgent_free_reads_a_surge_within_seconds() -> None:
     assert d.urgent_free("standard", 20, targets) > base
     fresh = BandDemand(clock, ("interactive", "standard", "batch"))
     assert fresh.urgent_free("standard", 20, targets) == 0  # nothing seen yet
+
+
+def test_prefill_budget_is_the_step_room_over_the_prefill_cost_per_token():
+    """``(τ − b0 − b1 × batch) / b2`` tokens, or ``stall / b2``; 0 when the decode
+    step alone exceeds the target; None when the fit sees no prefill cost."""
+    model = LatencyModel(LatencyPrior(step_s=0.01, step_s_per_seq=0.002,
+                                      step_s_per_prefill_token=1e-4))
+    assert model.prefill_budget(0.1, 5) == pytest.approx(800)  # (0.1 − 0.02) / 1e-4
+    assert model.prefill_budget(0.1, 5, stall_s=0.03) == pytest.approx(300)
+    assert model.prefill_budget(0.1, 50) == 0.0  # 0.11 s a step already
+    free = LatencyModel(LatencyPrior(step_s_per_prefill_token=0.0))
+    assert free.prefill_budget(0.1, 1) is None

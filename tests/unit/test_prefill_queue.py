@@ -148,3 +148,29 @@ async def test_a_leg_cancelled_as_it_is_released_returns_its_place():
     await later
     assert f.sent == [600, 450]
     assert f.queue.wait_s(f.e, 1) == pytest.approx(450 * C)  # no place left reserved
+
+
+async def test_a_decode_engine_gets_a_prefill_only_when_it_fits_the_step_budget():
+    """With a step budget (a decode engine), a prefill is sent only when it fits
+    beside what is outstanding, or when nothing is; held ones leave shortest first
+    as they come to fit."""
+    f = Fleet()
+    budget = {"p": 1000.0}
+    f.queue.step_tokens = lambda e: budget[e.id]
+    await f.send(1500)  # nothing outstanding: sent, however long
+    waiting = [asyncio.create_task(f.send(n)) for n in (700, 300)]
+    await wait_for(lambda: f.held() == [700, 300])
+    f.computed(1500)  # nothing outstanding: the shortest goes, then 700 fits beside it
+    await asyncio.gather(*waiting)
+    assert f.sent == [1500, 300, 700]
+    assert f.queue.wait_s(f.e, 1) == pytest.approx(1000 * C)
+    later = asyncio.create_task(f.send(100))  # 1,000 + 100 > 1,000: held
+    await wait_for(lambda: f.held() == [100])
+    f.computed(300)  # 700 + 100 fits
+    await later
+    budget["p"] = 500.0  # the budget fell (a larger batch): 800 outstanding, 50 waits
+    last = asyncio.create_task(f.send(50))
+    await wait_for(lambda: f.held() == [50])
+    f.computed(700)  # 100 + 50 fits 500
+    await last
+    assert f.sent == [1500, 300, 700, 100, 50]
