@@ -194,7 +194,7 @@ class FleetCollector(Collector):
             reported concurrency limit).
         desired_engines: model → engines its arrival rate needs (the capacity model),
             or None when unknown (before start-up or before any request finished).
-        prefill_held: engine id → the prefill legs held at the gateway for it
+        prefill_held: engine id → the prefills held at the gateway for it
             (:attr:`gateway.prefill_queue.PrefillQueue.held`).
     """
 
@@ -323,8 +323,9 @@ class FleetCollector(Collector):
         reservations.add_metric([], self.limiter.open_reservations)
         slots.add_metric([], self.limiter.held_slots)
         held = GaugeMetricFamily(
-            "sluice_prefill_legs_held", "Prefill legs of split requests waiting at the "
-            "gateway for room on this prefill engine (gateway.prefill_queue).",
+            "sluice_prefill_legs_held", "Prefills waiting at the gateway for room on this "
+            "engine (gateway.prefill_queue): split requests' prefill legs on a prefill "
+            "engine, whole requests' prompts beyond a decode engine's step budget.",
             labels=["engine", "model"])
         legs = self.prefill_held()
         for e in self.pool.engines:

@@ -56,10 +56,10 @@ class Placement:
     prefill's latest start ``start_by`` (clock time, s: placement + TTFT budget − the
     option's time alone) and whether it is shed past it while held (``sheddable``:
     :class:`gateway.prefill_queue.PrefillQueue`: the prefill leg's, or the local
-    prefill's on the decode engine); ``uncached`` is the prompt tokens the first
-    engine is predicted to compute. With adaptive admission, ``flight`` is
-    the request's entry in the engine's latency ledger and ``on_release`` closes it
-    (once, on the first :meth:`release`).
+    prefill's on the decode engine, which waits in that queue when ``hold_local``);
+    ``uncached`` is the prompt tokens the first engine is predicted to compute. With
+    adaptive admission, ``flight`` is the request's entry in the engine's latency
+    ledger and ``on_release`` closes it (once, on the first :meth:`release`).
     """
 
     lease: EngineLease
@@ -71,6 +71,7 @@ class Placement:
     on_release: Callable[[Placement], None] | None = None
     start_by: float = math.inf
     sheddable: bool = False
+    hold_local: bool = False
 
     @property
     def engine(self) -> Engine:
@@ -363,7 +364,8 @@ class Placer:
         scores = {"pd_split": float(choice.prefill is not None),
                   "pd_predicted_ttft_ms": choice.ttft_s * 1000}
         placement = Placement(lease, scores, uncached=choice.uncached,
-                              start_by=now + budget - choice.alone_s, sheddable=sheddable)
+                              start_by=now + budget - choice.alone_s, sheddable=sheddable,
+                              hold_local=choice.prefill is None and self.disagg.holds_local)
         if choice.prefill is not None:
             placement.prefill = self._lease_prefill(need, choice.prefill, now)
         if choice.decode.latency is not None:  # the decode engine's ledger holds it
@@ -430,17 +432,18 @@ class Placer:
             lease = placement.prefill = self._lease_prefill(need, best, self.clock.now())
 
     async def hold_local_prefill(self, placement: Placement) -> Callable[[], None] | None:
-        """For a whole request of a split model on ``placement``'s engine, where the
-        policy holds local prefills (:attr:`gateway.disagg.Disaggregator.holds_local`):
-        wait until its prompt fits the engine's step budget
-        (:class:`gateway.prefill_queue.PrefillQueue`) and return the callback for
-        :meth:`prefill_tracking`; None where nothing is held.
+        """For a whole request the split choice placed on a decode engine, where the
+        policy holds local prefills (``placement.hold_local``,
+        :attr:`gateway.disagg.Disaggregator.holds_local`): wait until its prompt fits
+        the engine's step budget (:class:`gateway.prefill_queue.PrefillQueue`) and
+        return the callback for :meth:`prefill_tracking`; None where nothing is held
+        (a retry or a multi-sequence request goes at once).
 
         Raises:
             LegShed: it was held past its latest start and shed.
             asyncio.CancelledError: the caller was cancelled (it leaves the queue).
         """
-        if self.disagg is None or not self.disagg.holds_local:
+        if self.disagg is None or not placement.hold_local:
             return None
         return await self.disagg.queue.admit(placement.engine, placement.uncached,
                                              placement.start_by, placement.sheddable)
