@@ -39,33 +39,32 @@ The TPOT side is a per-step budget. vLLM's chunked prefill puts the waiting prom
 tokens into the next step (up to ``max_num_batched_tokens``), and every stream
 decoding on the engine waits for that step; so a step that carries ``P`` prefill
 tokens stretches each of their inter-token gaps by ``b2 × P`` (the latency model's
-prefill interference per token). Sarathi-Serve (Agrawal et al., OSDI 2024, §4)
-sizes the token budget of a step from the TBT SLO; here a decode engine's step may
-carry :meth:`Disaggregator.step_tokens`: the prompt tokens that keep TPOT̂ at its
-batch within the tightest TPOT target, ``(τ − b0 − b1 × (batch + 1)) / b2``, or that
-add ``max_decode_stall_ms`` to a step when it is set. A local prefill is offered
-only where the prompt fits that budget in one step (or
-the engine has nothing in flight: nobody to stall), and it is sent only when it fits
-beside the prefill already outstanding there (``gateway.prefill_queue``: held at
-the gateway until then, shortest first within the deadlines). So every step on a
-decode engine stays within the TPOT target, a short prompt or one already cached on
-a decode engine skips the prefill leg, and in a burst the decode engines take
-prefill work up to what their streams can bear. The ``threshold`` policy (the
-baseline of public routers) splits exactly the prompts of at least
-``threshold_tokens`` (estimated) tokens over the same pair the prediction would
-choose, and runs the others on a decode engine at once.
+prefill interference per token). Sarathi-Serve (Agrawal et al., OSDI 2024, §4) sizes
+the token budget of a step from the TBT SLO; here a decode engine's step may carry
+:meth:`Disaggregator.step_tokens`: the prompt tokens that keep TPOT̂ at its batch
+within the tightest TPOT target, ``(τ − b0 − b1 × (batch + 1)) / b2``, or that add
+``max_decode_stall_ms`` to a step when it is set. A local prefill is offered only
+where the prompt fits that budget in one step (or the engine has nothing in flight:
+nobody to stall), and it is sent only when it fits beside the prefill already
+outstanding there (``gateway.prefill_queue``: held at the gateway until then,
+shortest first within the deadlines). So every step on a decode engine stays within
+the TPOT target, a short prompt or one already cached on a decode engine skips the
+prefill leg, and in a burst the decode engines take prefill work up to what their
+streams can bear. The ``threshold`` policy (the baseline of public routers) splits
+exactly the prompts of at least ``threshold_tokens`` (estimated) tokens over the
+same pair the prediction would choose, and runs the others on a decode engine at
+once.
 
 The TTFT estimate is this module's own (load the gateway sees plus observed prefill
 speeds), not the learned latency model, which gives only the decode step. With
 adaptive admission the decode lease holds a flight in the decode engine's latency
-ledger like a whole request; a decode leg
-computes none of the prompt there (vLLM counts the loaded tokens as
-``vllm:external_prefix_cache_hits``, which the latency model does not take for
-prefill), so its TTFT rule counts only the prefill queued ahead of it. And with
-adaptive admission the chosen option's TTFT̂ is also the shedding rule
-(:meth:`gateway.placement.Placer._sheddable`): a request it predicts to start past
-its TTFT budget is shed (``predicted_miss``) rather than queued behind prefills that
-can still make their targets — once both engines' speeds are observed
+ledger like a whole request; a decode leg computes none of the prompt there (vLLM
+counts the loaded tokens as ``vllm:external_prefix_cache_hits``, which the latency
+model does not take for prefill), so its TTFT rule counts only the prefill queued
+ahead of it. And with adaptive admission the chosen option's TTFT̂ is also the
+shedding rule (:meth:`gateway.placement.Placer._sheddable`): a request it predicts
+to start past its TTFT budget is shed (``predicted_miss``) rather than queued behind
+prefills that can still make their targets — once both engines' speeds are observed
 (:attr:`Choice.observed`) and unless the prompt alone (:attr:`Choice.alone_s`) would
 miss the target anyway.
 """
