@@ -205,7 +205,7 @@ class PrefillQueue:
             held.remove(leg)
             leg.released.set_exception(LegShed(now - leg.start_by))
         c = self.s_per_token(engine)
-        while held:
+        while held and self._fits(engine, 0):  # room for any prefill at all
             leg = pick(held, now, self._load(engine_id) * c, c)
             if not self._fits(engine, leg.tokens):
                 break
