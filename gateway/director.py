@@ -347,6 +347,8 @@ class Director:
             Rejected: 408 ``request_timeout`` (a client that stalls mid-body would
                 otherwise hold a connection, and shutdown, indefinitely).
         """
+        if request.content.is_eof():  # all of it arrived with the head: nothing to wait for
+            return await request.read()
         limit = self.cfg.gateway.timeouts.request_body_s
         try:
             async with asyncio.timeout(limit):

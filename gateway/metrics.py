@@ -105,6 +105,9 @@ class GatewayMetrics:
                              ["kind", "result"], registry=r)
         self.reloads = Counter("sluice_config_reloads", "Configuration reloads.", ["result"],
                                registry=r)
+        #: (metric, label values) -> its child: ``labels()`` validates and locks on
+        #: every call, a dict lookup does not (cardinality is bounded, see above)
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._prefix: dict[str, list[float]] = {}  # engine id -> [sum of ratios, count]
         #: output tokens per engine id (cost metrics)
         self.output_tokens: dict[str, int] = {}
@@ -112,42 +115,49 @@ class GatewayMetrics:
     def _model(self, model: str | None) -> str:
         return model if model in self.models else "unknown"
 
+    def _series(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, created once."""
+        child = self._children.get((metric, labels))
+        if child is None:
+            child = self._children[(metric, labels)] = metric.labels(*labels)
+        return child
+
     def observe(self, rec: RequestRecord) -> None:
         """Record one finished request."""
         model = self._model(rec.model)
         engine = rec.engine or "none"
-        self.requests.labels(rec.tenant, model, rec.outcome.value, str(rec.status)).inc()
+        self._series(self.requests, rec.tenant, model, rec.outcome.value, str(rec.status)).inc()
         if rec.outcome in REJECTIONS:
-            self.rejected.labels(rec.tenant, rejection_reason(rec)).inc()
+            self._series(self.rejected, rec.tenant, rejection_reason(rec)).inc()
         if not rec.inference:
             return
         for action in rec.degraded:
-            self.degraded.labels(model, action.split("=", 1)[0]).inc()
+            self._series(self.degraded, model, action.split("=", 1)[0]).inc()
         if rec.cache != "bypass":
-            self.cache.labels("exact", "hit" if rec.cache == "hit-exact" else "miss").inc()
+            self._series(self.cache, "exact", "hit" if rec.cache == "hit-exact" else "miss").inc()
             if self.semantic and rec.cache != "hit-exact":
-                self.cache.labels("semantic", "hit" if rec.cache == "hit-semantic" else "miss").inc()
+                self._series(self.cache, "semantic", "hit" if rec.cache == "hit-semantic" else "miss").inc()
         if rec.queue_s is not None:
-            self.queue_wait.labels(model, rec.priority).observe(rec.queue_s)
+            self._series(self.queue_wait, model, rec.priority).observe(rec.queue_s)
         if rec.outcome not in (Outcome.OK, Outcome.CACHE_HIT, Outcome.CLIENT_DISCONNECTED):
             return
         tokens = self.cached_tokens if rec.outcome is Outcome.CACHE_HIT else self.tokens
-        tokens.labels(rec.tenant, model, "prompt").inc(rec.prompt_tokens)
-        tokens.labels(rec.tenant, model, "completion").inc(rec.completion_tokens)
+        self._series(tokens, rec.tenant, model, "prompt").inc(rec.prompt_tokens)
+        self._series(tokens, rec.tenant, model, "completion").inc(rec.completion_tokens)
         if rec.engine and rec.outcome is not Outcome.CACHE_HIT:
             self.output_tokens[rec.engine] = self.output_tokens.get(rec.engine, 0) \
                 + rec.completion_tokens
         if rec.overshoot_tokens:
-            self.overshoot.labels(rec.tenant).inc(rec.overshoot_tokens)
-        self.duration.labels(model, engine).observe(rec.duration_s)
+            self._series(self.overshoot, rec.tenant).inc(rec.overshoot_tokens)
+        self._series(self.duration, model, engine).observe(rec.duration_s)
         if rec.ttft_s is not None:
-            self.ttft.labels(model, engine).observe(rec.ttft_s)
+            self._series(self.ttft, model, engine).observe(rec.ttft_s)
             if rec.predicted_ttft_s is not None and rec.stream and rec.ttft_s > 0:
-                self.ttft_error.labels(model, engine).observe(
+                self._series(self.ttft_error, model, engine).observe(
                     abs(rec.predicted_ttft_s - rec.ttft_s) / rec.ttft_s)
         tpot = rec.tpot_s
         if tpot is not None:
-            self.tpot.labels(model, engine).observe(tpot)
+            self._series(self.tpot, model, engine).observe(tpot)
         ratio = rec.scores.get("prefix-affinity")
         if rec.engine and ratio is not None:
             acc = self._prefix.setdefault(rec.engine, [0.0, 0.0])
@@ -177,6 +187,7 @@ class GatewayMetrics:
                       if s.labels.get("engine") == engine.id}
             for model in series:
                 hist.remove(model, engine.id)
+        self._children.clear()  # the removed series must not be written again
         self._prefix.pop(engine.id, None)
         self.output_tokens.pop(engine.id, None)
 

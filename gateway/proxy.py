@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from opentelemetry import trace
 
@@ -115,6 +116,20 @@ def _cached_tokens(usage: Mapping[str, Any] | None) -> int | None:
     return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    """``raw`` decoded when it is a JSON object, else None. msgspec decodes valid JSON
+    as ``json.loads`` does (exact integers included), about 5× faster; ``json`` gets
+    what msgspec refuses and Python accepts (``NaN``, ``Infinity``)."""
+    try:
+        obj = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        try:
+            obj = json.loads(raw)
+        except (ValueError, RecursionError):
+            return None
+    return obj if isinstance(obj, dict) else None
+
+
 def _usage(usage: Mapping[str, Any] | None, prompt_est: int, streamed: int) -> tuple[int, int]:
     if usage:
         return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
@@ -131,11 +146,8 @@ ENGINE_BUSY = {429: Outcome.RATE_LIMITED, 503: Outcome.OVERLOADED}
 def _engine_message(raw: bytes) -> str | None:
     """The message of an engine's error body, if any: ``error.message`` (OpenAI,
     vLLM), a top-level ``message`` (older vLLM) or ``detail`` (FastAPI)."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(body, dict):
+    body = _json_object(raw)
+    if body is None:
         return None
     err = body.get("error") or body.get("message") or body.get("detail")
     if isinstance(err, dict):
@@ -297,11 +309,10 @@ class EngineClient:
 
     def _finish_json(self, req: InferenceRequest, raw: bytes, start: float,
                      headers: Mapping[str, str]) -> ProxyResult:
-        try:
-            answer = json.loads(raw)
-        except ValueError:
+        answer = _json_object(raw)
+        if answer is None:
             raise UpstreamFailed(Outcome.UPSTREAM_ERROR, "engine sent invalid JSON",
-                                 retryable=True) from None
+                                 retryable=True)
         prompt, completion = _usage(answer.get("usage"), req.prompt_tokens, 0)
         reasons = [c.get("finish_reason") for c in answer.get("choices") or ()]
         return ProxyResult(

@@ -14,6 +14,7 @@ received. ``mode`` selects a behaviour for the next requests:
 * ``error500``: answers HTTP 500.
 * ``status``: answers HTTP ``status`` with an OpenAI error body carrying
   ``error_message`` and the headers ``error_headers`` (e.g. 429 with Retry-After).
+* ``raw``: answers HTTP 200 with the bytes ``raw_body`` as ``application/json``.
 * ``unbounded_event``: a chat stream's role chunk and first word (a completions
   stream: nothing), then ``data: {"x":"`` and 64 KiB of text every ``delay_s``, never a blank line,
   until the client goes away (``sent_bytes`` counts what was written).
@@ -43,6 +44,7 @@ class FakeEngine:
     status: int = 500
     error_message: str = "boom"
     error_headers: dict[str, str] = field(default_factory=dict)
+    raw_body: bytes = b""
     sent_bytes: int = 0
     running: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
@@ -106,6 +108,8 @@ class FakeEngine:
             err = {"message": self.error_message, "type": "BadRequestError", "param": None,
                    "code": self.status}
             return web.json_response({"error": err}, status=self.status, headers=self.error_headers)
+        if self.mode == "raw":
+            return web.Response(body=self.raw_body, content_type="application/json")
         self.running += 1
         try:
             if body.get("stream"):

@@ -131,3 +131,34 @@ async def test_engine_400_for_a_bad_request_stays_a_400_and_is_not_retried(engin
         assert r.status == 400
         assert (await error_of(r))["code"] == "invalid_request"
     assert len(e0.received) + len(e1.received) == 2
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"null", b'"text"', b"{", b"\xff"])
+async def test_an_answer_that_is_not_a_json_object_is_retried_then_a_502(engines, raw):
+    bad, good = await engines(2)
+    bad.mode, bad.raw_body = "raw", raw
+    async with run_gateway(make_config([bad, good])) as gw:
+        while not bad.received:  # until the bad engine was picked: the good one answers
+            r = await gw.post("/v1/chat/completions", CHAT)
+            assert r.status == 200
+            assert (await r.json())["choices"][0]["message"]["content"] == good.reply
+        good.mode, good.raw_body = "raw", raw
+        r = await gw.post("/v1/chat/completions", CHAT)
+        assert r.status == 502
+        assert (await error_of(r))["code"] == "upstream_error"
+
+
+async def test_an_answer_with_nan_is_relayed_byte_for_byte(engines):
+    """Python's JSON (which vLLM's server writes) allows NaN; the fast decoder does not,
+    so the answer is decoded the slow way, and still relayed as the engine sent it."""
+    (fake,) = await engines(1)
+    fake.mode = "raw"
+    fake.raw_body = (b'{"id":"x","object":"chat.completion","model":"fake-model","choices":'
+                     b'[{"index":0,"message":{"role":"assistant","content":"hi"},'
+                     b'"logprobs":{"content":[{"token":"hi","logprob":NaN}]},'
+                     b'"finish_reason":"stop"}],"usage":{"prompt_tokens":3,'
+                     b'"completion_tokens":1,"total_tokens":4}}')
+    async with run_gateway(make_config([fake])) as gw:
+        r = await gw.post("/v1/chat/completions", CHAT)
+        assert r.status == 200
+        assert await r.read() == fake.raw_body

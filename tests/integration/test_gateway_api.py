@@ -28,9 +28,12 @@ async def test_chat_and_completions_non_streaming(engines):
         assert body["choices"][0]["message"]["content"] == fake.reply
         assert body["usage"]["completion_tokens"] == len(fake.reply.split(" "))
         assert r.headers["x-sluice-engine"] == "e0"
-        assert len(r.headers["x-request-id"]) == 32
+        first_id = r.headers["x-request-id"]
+        assert len(first_id) == 32 and int(first_id, 16) >= 0
         r = await gw.post("/v1/completions", {"model": "fake-model", "prompt": "Once"})
         assert (await r.json())["choices"][0]["text"] == fake.reply
+        assert r.headers["x-request-id"] != first_id and len(r.headers["x-request-id"]) == 32
+        assert fake.headers[-1]["x-request-id"] == r.headers["x-request-id"]
 
 
 async def test_validation_errors_name_the_param(engines):
