@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -476,6 +477,9 @@ class EngineLatency:
         self.z = z
         self.gradient = gradient or GradientLimiter()
         self.flights: set[Flight] = set()
+        #: TPOT target (s) -> flights of it (:meth:`tightest_tpot_s` reads the keys
+        #: without a pass over every flight)
+        self._targets: Counter[float] = Counter()
         self.pending_prefill_tokens = 0
         self.decoding = 0
         self._integral = 0.0  # ∫ in-flight dt, request·s
@@ -524,8 +528,7 @@ class EngineLatency:
     def tightest_tpot_s(self) -> float | None:
         """Smallest TPOT target among the requests in flight that are not served at
         best effort, s, or None."""
-        targets = {f.tpot_target_s for f in self.flights}
-        return min((t for t in targets if not self.best_effort(t)), default=None)
+        return min((t for t in self._targets if not self.best_effort(t)), default=None)
 
     def limit(self, tpot_target_s: float) -> int | None:
         """The concurrency limit now for a request of TPOT target ``tpot_target_s``
@@ -588,6 +591,7 @@ class EngineLatency:
                         self.decoding,
                         self.model.predict_ttft(ahead, self.decoding).mean)
         self.flights.add(flight)
+        self._targets[tpot_target_s] += 1
         self.pending_prefill_tokens += uncached_tokens
         return flight
 
@@ -623,6 +627,9 @@ class EngineLatency:
         now = self.clock.now()
         self._advance(now)
         self.flights.discard(flight)
+        self._targets[flight.tpot_target_s] -= 1
+        if not self._targets[flight.tpot_target_s]:
+            del self._targets[flight.tpot_target_s]
         if flight.first_at is None:
             self.pending_prefill_tokens -= flight.uncached_tokens
         else:
