@@ -42,8 +42,11 @@ benchmark measures a gateway that has learned its engines, as a deployed one has
 learning itself is what ``shift`` measures).
 
 Settings that differ from the shipped defaults, printed in the report's
-``config.changed``: ``gateway.yaml slo`` — every band at the benchmark's SLO (1 s,
-100 ms), since the benchmark scores every request against it; engines report
+``config.changed`` with the reason: each setting of the adaptive gateways' config files
+that differs from the shipped one (:func:`loadtest.changed.changed_settings`, reasons
+in :data:`loadtest.overload.HARNESS_REASONS`: among them ``gateway.slo``, every band
+at the benchmark's SLO of 1 s and 100 ms, which scores every request, and the
+supervisor's quarter-second metrics scrapes); engines report
 ``prompt_tokens_details`` (``--enable-prompt-tokens-details``, as a vLLM deployment
 would be run) so the model sees cached tokens; the static gateway's
 ``max_in_flight``/``interactive_reserve``/``adaptive.enabled: false`` and its tenants'
@@ -72,8 +75,10 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.changed import changed_settings
 from loadtest.launch import gateway
 from loadtest.overload import (
+    HARNESS_REASONS,
     MODEL,
     PRIORITY_OF,
     TPOT_SLO_S,
@@ -96,8 +101,16 @@ BENCH_SLO = {band: {"ttft_s": TTFT_SLO_S, "tpot_s": TPOT_SLO_S}
 ENGINE_EXTRA = ["--max-model-len", "4096", "--enable-prompt-tokens-details"]
 
 
-def _adaptive_cfg() -> dict[str, Any]:
-    return {}  # the shipped saturation defaults
+def adaptive_config(directory: Path, engine_urls: list[str], args: argparse.Namespace,
+                    report: dict[str, Any]) -> Path:
+    """The adaptive gateway's config folder: the shipped saturation section, every band
+    at the benchmark's SLO, tenants without queue waits; what it changes from the
+    shipped config goes to ``report["config"]["changed"]``
+    (:func:`loadtest.changed.changed_settings`)."""
+    cfg = write_gateway_config(directory, engine_urls, args, {}, {"slo": BENCH_SLO},
+                               queue_waits=False)
+    report["config"]["changed"].update(changed_settings(cfg, HARNESS_REASONS))
+    return cfg
 
 
 def _static_cfg(b: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -277,9 +290,7 @@ async def homogeneous(session: aiohttp.ClientSession, args: argparse.Namespace,
         specs = {k: workload(k * capacity, args.duration, args, seed=args.seed + k)
                  for k in (1, 2, 3)}
         gw_extra = {"slo": BENCH_SLO}
-        cfg = write_gateway_config(out_dir / "homogeneous-adaptive", engines.urls, args,
-                                   _adaptive_cfg(), gw_extra,
-                                   queue_waits=False)
+        cfg = adaptive_config(out_dir / "homogeneous-adaptive", engines.urls, args, report)
         with gateway(cfg, log_path=out_dir / "homogeneous-adaptive.log", ready_timeout_s=60) as gw:
             # one unmeasured 1x pass first, as a running gateway would have seen traffic
             await level(session, engines, [gw.url],
@@ -329,9 +340,7 @@ async def heterogeneous(session: aiohttp.ClientSession, args: argparse.Namespace
         capacity, b = cap["requests_per_s"], cap["per_engine"]
         specs = workload(3 * capacity, args.duration, args, seed=args.seed + 33)
         gw_extra = {"slo": BENCH_SLO}
-        cfg = write_gateway_config(out_dir / "heterogeneous-adaptive", engines.urls, args,
-                                   _adaptive_cfg(), gw_extra,
-                                   queue_waits=False)
+        cfg = adaptive_config(out_dir / "heterogeneous-adaptive", engines.urls, args, report)
         with gateway(cfg, log_path=out_dir / "heterogeneous-adaptive.log",
                      ready_timeout_s=60) as gw:
             # one 1x pass first, as a running gateway would have seen traffic before
@@ -409,8 +418,7 @@ async def shift(session: aiohttp.ClientSession, args: argparse.Namespace, out_di
         await warm(session, engines, args)
         specs = shift_workload(args.shift_load * capacity, phase, args.seed + 50,
                                args.max_output_tokens)
-        cfg = write_gateway_config(out_dir / "shift", engines.urls, args, _adaptive_cfg(),
-                                   {"slo": BENCH_SLO}, queue_waits=False)
+        cfg = adaptive_config(out_dir / "shift", engines.urls, args, report)
         with gateway(cfg, log_path=out_dir / "shift.log", ready_timeout_s=60) as gw:
             sampler = LimitSampler(session, gw.url)
             sampler.start()
@@ -485,9 +493,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"config": {
         **{k: v for k, v in vars(args).items() if k != "json"},
-        "changed": {
-            "gateway.yaml slo": "every band at the benchmark's SLO (TTFT 1 s, TPOT 100 ms): "
-                                "the benchmark scores every request against it",
+        "changed": {  # and the adaptive gateways' config files' (adaptive_config)
             "engines --enable-prompt-tokens-details": "usage reports cached tokens, as a "
                                                       "vLLM deployment would be run",
             "static_tuned": "max_in_flight = the probe's best batch, interactive_reserve, "

@@ -30,7 +30,9 @@ the gateway reads each in its own, ``engines.kinds``): the same comparison on a 
 fleet.
 
 Output: ``{"1x"|"2x"|"3x": {"gateway"|"direct": {...}}, "capacity": {...},
-"config": {...}}`` and per-request JSON lines under ``--out-dir``.
+"config": {..., "changed": {...}}}`` and per-request JSON lines under ``--out-dir``;
+``config.changed`` is every setting of the gateway's config that differs from the
+shipped one, with the reason (:data:`HARNESS_REASONS`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import yaml
 
 from engines.kinds import KINDS
 from gateway.auth import hash_key
+from loadtest.changed import changed_settings
 from loadtest.client import send_measured, wait_healthy
 from loadtest.launch import free_port, gateway
 from loadtest.workloads import RequestSpec, WorkloadOptions
@@ -152,6 +155,32 @@ class Engines:
 
 
 # ----------------------------------------------------------------------------- config
+
+
+#: Why :func:`write_gateway_config` changes the settings it changes from the shipped
+#: ones (:func:`loadtest.changed.changed_settings` prints them in the report).
+HARNESS_REASONS = {
+    "gateway.cache": "off: the workload's prompts are unique, and the comparison is about "
+                     "admission",
+    "gateway.observability": "access log and tracing off: the simulated engines share the "
+                             "2 cores with the gateway (`python -m loadtest overhead` "
+                             "measures their cost)",
+    "engines.supervisor.metrics_interval_s": "a run lasts 40 s: four scrapes a second give "
+                                             "the load signals and the learned model four "
+                                             "times the samples of the shipped 1 s",
+    "engines.supervisor.probe_interval_s": "health known within a second while the harness "
+                                           "starts and stops engines",
+    "engines.supervisor.inference_probe_idle_s": "no inference probes mixed into the "
+                                                 "measured traffic",
+    "gateway.queue.max_requests": "--queue-max",
+    "gateway.slo": "every band at the benchmark's SLO (TTFT 1 s, TPOT 100 ms): the "
+                   "benchmark scores every request against it",
+    "engines.saturation.max_in_flight": "the probe's best batch per engine (or "
+                                        "--max-in-flight): the gateway under a hand-tuned "
+                                        "limit, the comparison `loadtest adaptive` makes",
+    "engines.saturation.interactive_reserve": "--interactive-reserve, with the tuned limit",
+    "engines.saturation.adaptive.enabled": "off with the tuned limit: a static gateway",
+}
 
 
 def write_gateway_config(directory: Path, engine_urls: list[str], args: argparse.Namespace,
@@ -346,6 +375,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 out_dir / "config", engines.urls, args,
                 {"max_in_flight": max_in_flight, "interactive_reserve": args.interactive_reserve},
                 dialects=engines.dialects)
+            report["config"]["changed"] = changed_settings(cfg_dir, HARNESS_REASONS)
             with gateway(cfg_dir, log_path=out_dir / "gateway.log", ready_timeout_s=60) as gw:
                 gproc = psutil.Process(gw.proc.pid)
                 for k in args.levels:

@@ -49,6 +49,7 @@ from tqdm import tqdm
 
 from engines.metrics import parse_metrics
 from engines.pool import MetricsSnapshot
+from loadtest.changed import changed_settings
 from loadtest.launch import RedisServer, free_port, gateway
 from loadtest.report import EngineSample, EngineStats, Result, Slo, format_summary, plot, summarize
 from loadtest.sim_engine.profiles import Profile, get_profile
@@ -77,6 +78,30 @@ POLICIES = {
     "predicted-ttft": lambda: {**_shipped_scheduler(), "scorers": [
         {"type": "predicted-ttft", "weight": 2.0}, {"type": "session-affinity", "weight": 2.0},
         {"type": "kv-cache-usage", "weight": 0.5}]},
+}
+
+
+#: Why :func:`write_sim_config` changes the settings it changes from the shipped ones
+#: (:func:`loadtest.changed.changed_settings` prints them in the report's
+#: ``setup.changed``).
+SIM_CONFIG_REASONS = {
+    "gateway.cache": "off: every request must reach an engine",
+    "gateway.observability": "access log and tracing off: the simulated engines share the "
+                             "2 cores with the gateway (`python -m loadtest overhead` "
+                             "measures their cost)",
+    "gateway.queue": "bounds and wait loose enough that nothing is shed by the queue: the "
+                     "benchmark compares placement, not shedding",
+    "engines.saturation.max_waiting": "the engines' own schedulers queue (the trace's "
+                                      "bursts arrive up to 16 at once): placement, not "
+                                      "shedding",
+    "engines.scheduler": "--policy: the routing policy compared",
+    "engines.supervisor.metrics_interval_s": "four scrapes a second: the engines' load and "
+                                             "the learned model follow the trace's bursts",
+    "engines.supervisor.startup_grace_s": "simulated engines start in seconds",
+    "engines.supervisor.inference_probe_idle_s": "no inference probes mixed into the "
+                                                 "replayed traffic",
+    "engines.disaggregation": "--pd: the disaggregation under test",
+    "gateway.limits.store_url": "--gateways N: the replicas share one private Redis",
 }
 
 
@@ -539,7 +564,8 @@ def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
                   "time_scale": args.time_scale, "limit": args.limit,
                   "duration_s": args.duration, "config_dir": str(folder),
                   "workload_defaults": args.applied_defaults,
-                  "disaggregation": disaggregation},
+                  "disaggregation": disaggregation,
+                  "changed": changed_settings(folder, SIM_CONFIG_REASONS)},
     })
     return summary, results, engines
 

@@ -39,6 +39,7 @@ import numpy as np
 import psutil
 
 from loadtest import overload
+from loadtest.changed import changed_settings
 from loadtest.harness import SHED_CODES
 from loadtest.launch import gateway
 from loadtest.report import write_json
@@ -105,7 +106,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                     if o not in ok).items())),
         "config": {"engines": args.engines, "profile": ov.profile, "speed": ov.speed,
                    "saturation": "shipped defaults (adaptive admission)",
-                   "max_output_tokens": args.max_output_tokens},
+                   "max_output_tokens": args.max_output_tokens,
+                   "changed": changed_settings(out_dir / "config", overload.HARNESS_REASONS)},
     })
     return report
 

@@ -46,3 +46,4 @@ def test_soak_short_has_no_server_errors(tmp_path: Path) -> None:
     assert r["admitted"] > 0, r
     assert r["server_errors"] == 0, (r, log)
     assert r["rss_mb_start"] > 0 and r["rss_mb_end"] > 0, r
+    assert r["config"]["changed"]["engines.supervisor.metrics_interval_s"]["value"] == 0.25

@@ -20,6 +20,9 @@ def test_replay_through_the_gateway_to_two_simulated_engines(tmp_path):
     assert sorted(summary["requests_per_engine"]) == ["sim-0", "sim-1"]
     assert sum(summary["requests_per_engine"].values()) == 30
     assert summary["prefix_hit_rate"] > 0.3  # tenants' system prompts are reused
+    # what the benchmark's config changes from the shipped one is printed with the reason
+    assert summary["setup"]["changed"]["engines.saturation.max_waiting"]["value"] == 100_000
+    assert summary["setup"]["changed"]["gateway.cache.enabled"]["why"]
     rows = [json.loads(line) for line in lines.read_text().splitlines()]
     assert len(rows) == 30 and all(r["status"] == 200 and r["engine"] for r in rows)
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {"latency_cdf.png",
@@ -44,3 +47,4 @@ def test_replay_through_two_gateway_replicas_on_one_redis(tmp_path):
         summary["prefix_hit_rate"] / summary["one_gateway"]["prefix_hit_rate"], 4)
     engines = (tmp_path / "cfg" / "gateways-2" / "engines.yaml").read_text()
     assert engines.count("kind: external") == 2 and engines.count("kv_events:") == 2
+    assert summary["setup"]["changed"]["gateway.limits.store_url"]["value"].startswith("redis://")
