@@ -60,12 +60,13 @@ def changed_settings(folder: Path, reasons: Mapping[str, str]) -> dict[str, dict
     Raises:
         KeyError: a changed setting has no reason (a benchmark may not change the
             shipped configuration silently).
+        config.loader.ConfigError: a file the benchmark wrote does not validate.
     """
     out: dict[str, dict[str, Any]] = {}
     for kind, own in COMPARED.items():
-        path_ = folder / f"{kind}.yaml"
-        written = yaml.safe_load(path_.read_text(encoding="utf-8")) or {}
-        parsed = load_file(kind, path_).model_dump(mode="json")  # defaults filled in
+        file = folder / f"{kind}.yaml"
+        written = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+        parsed = load_file(kind, file).model_dump(mode="json")  # defaults filled in
         base = shipped(kind)
         for key, value in written.items():
             if key in own:
