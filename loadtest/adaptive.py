@@ -17,6 +17,14 @@ TPOT ≤ 100 ms; rejections count as misses).
    ideal FCFS scheduler serving interactive requests only on ``engines × b`` slots,
    each with its measured service time (TTFT + TPOT × (tokens − 1) where a run served
    it, else the median of those); the fraction that starts within the TTFT SLO.
+   Each of these runs is made ``--repeat`` times (default 3), each time on new
+   arrivals (seed ``--seed + k + 10 r`` for repeat ``r`` at ``k`` × capacity), and
+   the figures pool them: goodput over the repeats' total window, attainment over all
+   their requests, the oracle over all their interactive arrivals; ``runs`` keeps
+   each repeat's goodput. One 40 s run at 1× holds about 110 requests and its
+   outcome moves by a few of them with the arrivals alone (measured on six seeds:
+   direct lost 0 to 5 requests per run, the adaptive gateway 0 to 4, 600 and 601
+   good of 611 in all), so a single run cannot tell a 2 % goal from noise.
 2. **heterogeneous** — 4 engines at speeds ``--het-speeds`` (0.5 1 1 2); the probe
    (``b`` clients per engine, the same ``b`` for all) gives the best single static
    limit; ``adaptive`` and ``static_tuned`` at 3× that capacity.
@@ -226,9 +234,11 @@ def summary(outcomes: list[Outcome], duration_s: float,
 
 
 def oracle_interactive(specs: list[RequestSpec], runs: list[list[Outcome]], duration_s: float,
-                       slots: int) -> float | None:
-    """Interactive SLO attainment of the ideal interactive-only FCFS scheduler (module
-    docstring); ``runs`` are outcome lists in ``specs`` order."""
+                       slots: int) -> tuple[int, int] | None:
+    """The ideal interactive-only FCFS scheduler (module docstring) on one run's
+    arrivals: (interactive requests it starts within the TTFT SLO, interactive
+    requests), None when there are none or no run served one; ``runs`` are outcome
+    lists in ``specs`` order."""
     inter = [i for i, s in enumerate(specs) if s.at_s < duration_s and s.priority == "interactive"]
     if not inter:
         return None
@@ -251,7 +261,7 @@ def oracle_interactive(specs: list[RequestSpec], runs: list[list[Outcome]], dura
         start = max(specs[i].at_s, heapq.heappop(free))
         heapq.heappush(free, start + total)
         good += (start - specs[i].at_s + ttft) <= TTFT_SLO_S
-    return good / len(inter)
+    return good, len(inter)
 
 
 def rel_errors(outcomes: list[Outcome]) -> list[float]:
@@ -277,7 +287,7 @@ async def homogeneous(session: aiohttp.ClientSession, args: argparse.Namespace,
                       out_dir: Path, report: dict[str, Any]) -> tuple[list[Outcome], float]:
     engines = Engines(args.engines, args.profile, args.speed, out_dir, ENGINE_EXTRA)
     res: dict[str, Any] = {}
-    adaptive_runs: list[Outcome] = []
+    runs: dict[str, list[list[Outcome]]] = {}  # run key -> outcomes of each repeat
     reasons: dict[str, Any] = {}
     try:
         await engines.wait_ready(session)
@@ -287,9 +297,20 @@ async def homogeneous(session: aiohttp.ClientSession, args: argparse.Namespace,
                   "given": True}
         res["capacity"] = cap
         capacity, b = cap["requests_per_s"], cap["per_engine"]
-        specs = {k: workload(k * capacity, args.duration, args, seed=args.seed + k)
-                 for k in (1, 2, 3)}
-        gw_extra = {"slo": BENCH_SLO}
+        specs = {(k, r): workload(k * capacity, args.duration, args, seed=repeat_seed(args, k, r))
+                 for k in (1, 2, 3) for r in range(args.repeat)}
+
+        async def measure(key: str, k: int, urls: list[str], gateway_run: bool) -> None:
+            for r in range(args.repeat):
+                name = f"homogeneous-{key}" + (f"-r{r}" if r else "")
+                runs.setdefault(key, []).append(await level(
+                    session, engines, urls, specs[k, r], args, auth=gateway_run, name=name,
+                    out_dir=out_dir, reasons=reasons if gateway_run else None))
+            res[key] = pooled(runs[key], args.duration, [
+                reasons[f"homogeneous-{key}" + (f"-r{r}" if r else "")]
+                for r in range(args.repeat)] if gateway_run else None)
+            print(f"homogeneous {key}: {json.dumps(res[key])}", file=sys.stderr, flush=True)
+
         cfg = adaptive_config(out_dir / "homogeneous-adaptive", engines.urls, args, report)
         with gateway(cfg, log_path=out_dir / "homogeneous-adaptive.log", ready_timeout_s=60) as gw:
             # one unmeasured 1x pass first, as a running gateway would have seen traffic
@@ -298,32 +319,45 @@ async def homogeneous(session: aiohttp.ClientSession, args: argparse.Namespace,
                         auth=True, name="homogeneous-learn", out_dir=out_dir,
                         duration_s=args.warmup_s)
             for k, key in ((1, "adaptive_1x"), (2, "adaptive_2x"), (3, "adaptive")):
-                name = f"homogeneous-{key}"
-                outs = await level(session, engines, [gw.url], specs[k], args, auth=True,
-                                   name=name, out_dir=out_dir, reasons=reasons)
-                res[key] = summary(outs, args.duration, reasons[name])
-                adaptive_runs += outs
-                print(f"homogeneous {key}: {json.dumps(res[key])}", file=sys.stderr, flush=True)
-                if k == 3:
-                    adaptive_3x = outs
-        direct = await level(session, engines, engines.urls, specs[1], args, auth=False,
-                             name="homogeneous-direct_1x", out_dir=out_dir)
-        res["direct_1x"] = summary(direct, args.duration)
+                await measure(key, k, [gw.url], True)
+        await measure("direct_1x", 1, engines.urls, False)
         cfg = write_gateway_config(out_dir / "homogeneous-static", engines.urls, args,
-                                   _static_cfg(b, args), gw_extra)
+                                   _static_cfg(b, args), {"slo": BENCH_SLO})
         with gateway(cfg, log_path=out_dir / "homogeneous-static.log", ready_timeout_s=60) as gw:
-            static_3x = await level(session, engines, [gw.url], specs[3], args, auth=True,
-                                    name="homogeneous-static_tuned", out_dir=out_dir,
-                                    reasons=reasons)
-        res["static_tuned"] = summary(static_3x, args.duration,
-                                      reasons["homogeneous-static_tuned"])
+            await measure("static_tuned", 3, [gw.url], True)
         res["static_tuned"]["max_in_flight"] = b
-        res["oracle_interactive_3x"] = oracle_interactive(
-            specs[3], [static_3x, adaptive_3x], args.duration, args.engines * b)
+        good = total = 0
+        for r in range(args.repeat):
+            counts = oracle_interactive(specs[3, r], [runs["static_tuned"][r], runs["adaptive"][r]],
+                                        args.duration, args.engines * b)
+            if counts is not None:
+                good, total = good + counts[0], total + counts[1]
+        res["oracle_interactive_3x"] = good / total if total else None
         report["homogeneous"] = res
-        return adaptive_runs, capacity
+        return [o for key in ("adaptive_1x", "adaptive_2x", "adaptive")
+                for outs in runs[key] for o in outs], capacity
     finally:
         engines.stop()
+
+
+def repeat_seed(args: argparse.Namespace, k: int, r: int) -> int:
+    """The arrival seed of repeat ``r`` (0-based) of the homogeneous runs at ``k`` ×
+    capacity: ``--seed + k`` for the first (as before ``--repeat``), 10 more per repeat."""
+    return args.seed + k + 10 * r
+
+
+def pooled(repeats: list[list[Outcome]], duration_s: float,
+           reasons: list[dict[str, int]] | None = None) -> dict[str, Any]:
+    """:func:`summary` of ``repeats`` (each one run's outcomes, over ``duration_s``)
+    taken together (goodput over ``len(repeats) × duration_s``, attainment over every
+    request), with ``runs``: each repeat's own goodput, req/s."""
+    merged: Counter[str] = Counter()
+    for r in reasons or ():
+        merged.update(r)
+    out = summary([o for outs in repeats for o in outs], duration_s * len(repeats),
+                  None if reasons is None else dict(sorted(merged.items())))
+    out["runs"] = [round(summary(outs, duration_s)["goodput"], 3) for outs in repeats]
+    return out
 
 
 async def heterogeneous(session: aiohttp.ClientSession, args: argparse.Namespace,
@@ -578,13 +612,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--per-engine", type=int, default=8,
                    help="the probe's best batch when --capacity is given")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=3,
+                   help="homogeneous runs per load level, each on its own arrivals, pooled")
     p.add_argument("--quick", action="store_true",
                    help="shorter runs (~8 min): probes 6 8 10 of 15 s, 25 s windows, "
-                   "10 s drain, 25 s shift phases; not the benchmark")
+                   "10 s drain, 25 s shift phases, one repeat; not the benchmark")
     args = p.parse_args(argv)
     if args.quick:
         args.probe_batches, args.probe_duration, args.probe_warmup = [6, 8, 10], 15.0, 5.0
         args.duration, args.drain, args.shift_phase = 25.0, 10.0, 25.0
+        args.repeat = 1
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     return args
 
 

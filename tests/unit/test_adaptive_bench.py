@@ -1,0 +1,52 @@
+"""The adaptive benchmark's pooling of repeated runs and its interactive oracle
+(``loadtest/adaptive.py``)."""
+
+from __future__ import annotations
+
+from loadtest.adaptive import oracle_interactive, parse_args, pooled, repeat_seed
+from loadtest.overload import Outcome
+from loadtest.workloads import RequestSpec
+
+
+def _served(priority: str, ttft_s: float, tpot_s: float = 0.05, tokens: int = 11) -> Outcome:
+    return Outcome(tenant="t", priority=priority, sent_s=0.0, status=200, ttft_s=ttft_s,
+                   tpot_s=tpot_s, completion_tokens=tokens)
+
+
+def _shed(priority: str) -> Outcome:
+    return Outcome(tenant="t", priority=priority, sent_s=0.0, status=503,
+                   error_code="overloaded")
+
+
+def test_pooled_counts_every_request_over_the_total_window() -> None:
+    first = [_served("interactive", 0.2), _served("batch", 0.3), _shed("batch")]
+    second = [_served("interactive", 1.5), _served("standard", 0.4, tpot_s=0.2)]
+    out = pooled([first, second], 10.0, [{"batch:overloaded:predicted_miss": 1},
+                                         {"batch:overloaded:predicted_miss": 2,
+                                          "standard:overloaded:queue_full": 1}])
+    assert out["goodput"] == 2 / 20.0  # 2 good (the 1.5 s TTFT and 200 ms TPOT miss)
+    assert out["runs"] == [0.2, 0.0]
+    assert out["slo_attainment"] == {"interactive": 0.5, "standard": 0.0, "batch": 0.5}
+    assert out["offered"] == 5 and out["served"] == 4
+    assert out["shed_reasons"] == {"batch:overloaded:predicted_miss": 3,
+                                   "standard:overloaded:queue_full": 1}
+    assert "shed_reasons" not in pooled([first], 10.0)
+
+
+def test_oracle_returns_counts_of_an_fcfs_schedule() -> None:
+    # two slots; three interactive arrivals at 0 s, each 0.1 s TTFT + 10 × 0.15 s
+    # decode = 1.6 s: the third starts at 1.6 s, past the 1 s TTFT target
+    specs = [RequestSpec(at_s=0.0, tenant="t", priority="interactive", body={})
+             for _ in range(3)] + [RequestSpec(at_s=0.0, tenant="t", priority="batch", body={})]
+    run = [_served("interactive", 0.1, tpot_s=0.15) for _ in range(3)] + [_shed("batch")]
+    assert oracle_interactive(specs, [run], 40.0, slots=2) == (2, 3)
+    assert oracle_interactive(specs, [run], 40.0, slots=3) == (3, 3)
+    assert oracle_interactive(specs[3:], [run[3:]], 40.0, slots=2) is None
+
+
+def test_repeats_use_distinct_seeds_and_quick_runs_once() -> None:
+    args = parse_args(["--json", "x"])
+    assert args.repeat == 3
+    seeds = {repeat_seed(args, k, r) for k in (1, 2, 3) for r in range(args.repeat)}
+    assert len(seeds) == 9 and repeat_seed(args, 1, 0) == 1  # the first is the old seed
+    assert parse_args(["--json", "x", "--quick"]).repeat == 1
