@@ -301,14 +301,13 @@ async def homogeneous(session: aiohttp.ClientSession, args: argparse.Namespace,
                  for k in (1, 2, 3) for r in range(args.repeat)}
 
         async def measure(key: str, k: int, urls: list[str], gateway_run: bool) -> None:
-            for r in range(args.repeat):
-                name = f"homogeneous-{key}" + (f"-r{r}" if r else "")
-                runs.setdefault(key, []).append(await level(
-                    session, engines, urls, specs[k, r], args, auth=gateway_run, name=name,
-                    out_dir=out_dir, reasons=reasons if gateway_run else None))
-            res[key] = pooled(runs[key], args.duration, [
-                reasons[f"homogeneous-{key}" + (f"-r{r}" if r else "")]
-                for r in range(args.repeat)] if gateway_run else None)
+            names = [f"homogeneous-{key}" + (f"-r{r}" if r else "") for r in range(args.repeat)]
+            runs[key] = [await level(session, engines, urls, specs[k, r], args,
+                                     auth=gateway_run, name=name, out_dir=out_dir,
+                                     reasons=reasons if gateway_run else None)
+                         for r, name in enumerate(names)]
+            res[key] = pooled(runs[key], args.duration,
+                              [reasons[n] for n in names] if gateway_run else None)
             print(f"homogeneous {key}: {json.dumps(res[key])}", file=sys.stderr, flush=True)
 
         cfg = adaptive_config(out_dir / "homogeneous-adaptive", engines.urls, args, report)
@@ -612,16 +611,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--per-engine", type=int, default=8,
                    help="the probe's best batch when --capacity is given")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeat", type=int, default=3,
-                   help="homogeneous runs per load level, each on its own arrivals, pooled")
+    p.add_argument("--repeat", type=int,
+                   help="homogeneous runs per load level, each on its own arrivals, pooled "
+                   "(default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true",
                    help="shorter runs (~8 min): probes 6 8 10 of 15 s, 25 s windows, "
-                   "10 s drain, 25 s shift phases, one repeat; not the benchmark")
+                   "10 s drain, 25 s shift phases, one repeat unless --repeat; not the benchmark")
     args = p.parse_args(argv)
     if args.quick:
         args.probe_batches, args.probe_duration, args.probe_warmup = [6, 8, 10], 15.0, 5.0
         args.duration, args.drain, args.shift_phase = 25.0, 10.0, 25.0
-        args.repeat = 1
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 3
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
     return args

@@ -50,3 +50,4 @@ def test_repeats_use_distinct_seeds_and_quick_runs_once() -> None:
     seeds = {repeat_seed(args, k, r) for k in (1, 2, 3) for r in range(args.repeat)}
     assert len(seeds) == 9 and repeat_seed(args, 1, 0) == 1  # the first is the old seed
     assert parse_args(["--json", "x", "--quick"]).repeat == 1
+    assert parse_args(["--json", "x", "--quick", "--repeat", "2"]).repeat == 2
