@@ -16,7 +16,9 @@ TPOT ≤ 100 ms; rejections count as misses).
    ``oracle_interactive_3x``: the 3× run's interactive arrivals replayed through an
    ideal FCFS scheduler serving interactive requests only on ``engines × b`` slots,
    each with its measured service time (TTFT + TPOT × (tokens − 1) where a run served
-   it, else the median of those); the fraction that starts within the TTFT SLO.
+   it, else the median of those); the fraction that starts within the TTFT SLO. It
+   bounds policies that hold each engine to ``b`` requests; learned knees above ``b``
+   (an engine whose interactive requests' TPOT allows more) can beat it.
    Each of these runs is made ``--repeat`` times (default 3), each time on new
    arrivals (seed ``--seed + k + 10 r`` for repeat ``r`` at ``k`` × capacity), and
    the figures pool them: goodput over the repeats' total window, attainment over all
