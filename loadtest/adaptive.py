@@ -23,10 +23,9 @@ TPOT ≤ 100 ms; rejections count as misses).
    arrivals (seed ``--seed + k + 10 r`` for repeat ``r`` at ``k`` × capacity), and
    the figures pool them: goodput over the repeats' total window, attainment over all
    their requests, the oracle over all their interactive arrivals; ``runs`` keeps
-   each repeat's goodput. One 40 s run at 1× holds about 110 requests and its
-   outcome moves by a few of them with the arrivals alone (measured on six seeds:
-   direct lost 0 to 5 requests per run, the adaptive gateway 0 to 4, 600 and 601
-   good of 611 in all), so a single run cannot tell a 2 % goal from noise.
+   each repeat's goodput. One 40 s run at 1× holds about 110 requests and moves by a
+   few of them with the arrivals alone, too few to tell a 2 % goal from noise
+   (measured in ``docs/adaptive-admission.md``, "Measured").
 2. **heterogeneous** — 4 engines at speeds ``--het-speeds`` (0.5 1 1 2); the probe
    (``b`` clients per engine, the same ``b`` for all) gives the best single static
    limit; ``adaptive`` and ``static_tuned`` at 3× that capacity.
