@@ -29,15 +29,21 @@ TPOT ≤ 100 ms; rejections count as misses).
 2. **heterogeneous** — 4 engines at speeds ``--het-speeds`` (0.5 1 1 2); the probe
    (``b`` clients per engine, the same ``b`` for all) gives the best single static
    limit; ``adaptive`` and ``static_tuned`` at 3× that capacity.
-3. **shift** — one adaptive gateway on the homogeneous engines at ``--shift-load`` ×
-   capacity; the prompts switch from short (user turn 20–100 tokens, 16–64 output)
-   to long (300–700, 64–128: a prefill the engine can still start within the 1 s TTFT
-   target when nothing is queued) and back every ``--shift-phase`` s. The mean learned
-   limit (``sluice_engine_concurrency_limit``) is sampled every 0.5 s;
+3. **shift** — a fresh adaptive gateway (no warm-up: learning is what this
+   measures) on the homogeneous engines at ``--shift-load`` × capacity; the prompts
+   switch from short (user turn 20–100 tokens, 16–64 output) to long (300–700,
+   64–128: a prefill the engine can still start within the 1 s TTFT target when
+   nothing is queued) and back every ``--shift-phase`` s. The mean learned limit
+   (``sluice_engine_concurrency_limit``) is sampled every 0.5 s;
    ``convergence_s`` is the longest time, after a switch, until both the limit stays
    within 25 % (at least ±1) of its value over the last 40 % of the phase and the
    interactive attainment of 5 s windows stays within 0.1 of the phase's last 40 %;
    ``worst_window_attainment`` is the lowest interactive attainment of 10 s windows.
+   Made ``--repeat`` times too (seed ``--seed + 50 + 10 r``, a fresh gateway each),
+   judged on the repeats together: the limit averaged across them in 1 s bins, a
+   window's attainment over all their interactive requests in it (one 5 s window
+   of one run holds about 8 of them, so one arrival burst moves it by more than the
+   0.1 tolerance); ``runs`` keeps each repeat's own figures.
 4. **prediction** — ``|TTFT̂ − TTFT| / TTFT`` over the adaptive runs' served
    streamed requests, with TTFT̂ from ``x-sluice-ttft-predicted-ms`` and TTFT
    measured by the client less the gateway queue wait (``x-sluice-queue-ms``).
@@ -447,43 +453,77 @@ async def shift(session: aiohttp.ClientSession, args: argparse.Namespace, out_di
                 report: dict[str, Any], capacity: float) -> None:
     engines = Engines(args.engines, args.profile, args.speed, out_dir, ENGINE_EXTRA)
     phase = args.shift_phase
+    limit_runs: list[list[tuple[float, float]]] = []
+    outcome_runs: list[list[Outcome]] = []
     try:
         await engines.wait_ready(session)
         await warm(session, engines, args)
-        specs = shift_workload(args.shift_load * capacity, phase, args.seed + 50,
-                               args.max_output_tokens)
-        cfg = adaptive_config(out_dir / "shift", engines.urls, args, report)
-        with gateway(cfg, log_path=out_dir / "shift.log", ready_timeout_s=60) as gw:
-            sampler = LimitSampler(session, gw.url)
-            sampler.start()
-            outs = await level(session, engines, [gw.url], specs, args, auth=True,
-                               name="shift", out_dir=out_dir, duration_s=3 * phase)
-            await sampler.stop()
+        for r in range(args.repeat):
+            name = "shift" + (f"-r{r}" if r else "")
+            specs = shift_workload(args.shift_load * capacity, phase, args.seed + 50 + 10 * r,
+                                   args.max_output_tokens)
+            cfg = adaptive_config(out_dir / name, engines.urls, args, report)
+            with gateway(cfg, log_path=out_dir / f"{name}.log", ready_timeout_s=60) as gw:
+                sampler = LimitSampler(session, gw.url)
+                sampler.start()
+                outcome_runs.append(await level(session, engines, [gw.url], specs, args,
+                                                auth=True, name=name, out_dir=out_dir,
+                                                duration_s=3 * phase))
+                await sampler.stop()
+            limit_runs.append([(t, statistics.mean(v.values())) for t, v in sampler.samples if v])
+            settling = shift_settling(limit_runs[-1:], outcome_runs[-1:], phase)
+            print(f"shift repeat {r}: {json.dumps(settling)}", file=sys.stderr, flush=True)
     finally:
         engines.stop()
-    limits = [(t, statistics.mean(v.values())) for t, v in sampler.samples if v]
-    by_phase = [[v for t, v in limits if k * phase <= t < (k + 1) * phase] for k in range(3)]
-    inter = [o for o in outs if o.priority == "interactive"]
+    report["shift"] = shift_figures(limit_runs, outcome_runs, phase)
+
+
+def shift_settling(limit_runs: list[list[tuple[float, float]]],
+                   outcome_runs: list[list[Outcome]], phase_s: float) -> dict[str, Any]:
+    """The shift run's settling figures over repeats taken together: the mean learned
+    limit (``limit_runs``: per repeat, (s since start, limit) samples) averaged across
+    repeats in 1 s bins; interactive attainment of a window = good / requests over
+    every repeat's interactive requests sent in it (``outcome_runs``), at least 3.
+    ``convergence_by_switch_s`` (s, per switch; module docstring, item 3),
+    ``convergence_s`` (their maximum), ``worst_window_attainment`` (fraction 0–1, 10 s
+    windows, None without one) and ``limit_by_phase`` (mean limit per phase)."""
+    bins: dict[int, list[float]] = {}
+    for series in limit_runs:
+        for t, v in series:
+            bins.setdefault(int(t), []).append(v)
+    limits = [(float(b), statistics.mean(vs)) for b, vs in sorted(bins.items())]
+    inter = [o for outs in outcome_runs for o in outs if o.priority == "interactive"]
 
     def attainment(lo: float, hi: float) -> float | None:
         xs = [o for o in inter if lo <= o.sent_s < hi]
         return sum(o.good for o in xs) / len(xs) if len(xs) >= 3 else None
 
-    windows5 = [(t + 5, a) for t in range(0, int(3 * phase), 5)
-                if (a := attainment(t, t + 5)) is not None]
+    end = int(3 * phase_s)
+    windows5 = [(t + 5, a) for t in range(0, end, 5) if (a := attainment(t, t + 5)) is not None]
     conv = []
     for k in (1, 2):  # the two switches
-        lo, hi = k * phase, (k + 1) * phase
+        lo, hi = k * phase_s, (k + 1) * phase_s
         a = settle_time(limits, lo, hi, lambda f: max(1.0, 0.25 * f))
         b = settle_time(windows5, lo, hi, lambda f: 0.1)
         conv.append(max(x for x in (a, b, 0.0) if x is not None))
-    worst = [a for t in range(0, int(3 * phase), 10) if (a := attainment(t, t + 10)) is not None]
-    report["shift"] = {
-        "convergence_s": max(conv), "convergence_by_switch_s": conv,
-        "worst_window_attainment": min(worst) if worst else None,
-        "summary": summary(outs, 3 * phase),
-        "limit_by_phase": [round(statistics.mean(v), 1) if v else None for v in by_phase],
-    }
+    worst = [a for t in range(0, end, 10) if (a := attainment(t, t + 10)) is not None]
+    by_phase = [[v for t, v in limits if k * phase_s <= t < (k + 1) * phase_s] for k in range(3)]
+    return {"convergence_s": max(conv), "convergence_by_switch_s": conv,
+            "worst_window_attainment": min(worst) if worst else None,
+            "limit_by_phase": [round(statistics.mean(v), 1) if v else None for v in by_phase]}
+
+
+def shift_figures(limit_runs: list[list[tuple[float, float]]],
+                  outcome_runs: list[list[Outcome]], phase_s: float) -> dict[str, Any]:
+    """``report["shift"]``: :func:`shift_settling` over all repeats, ``summary``
+    (:func:`pooled` over the 3 phases) and ``runs``: each repeat's own
+    ``convergence_s`` and ``worst_window_attainment``."""
+    out = shift_settling(limit_runs, outcome_runs, phase_s)
+    out["summary"] = pooled(outcome_runs, 3 * phase_s)
+    out["runs"] = [{k: s[k] for k in ("convergence_s", "worst_window_attainment")}
+                   for s in (shift_settling([lim], [outs], phase_s)
+                             for lim, outs in zip(limit_runs, outcome_runs, strict=True))]
+    return out
 
 
 def goals(report: dict[str, Any]) -> dict[str, Any]:
@@ -613,8 +653,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the probe's best batch when --capacity is given")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int,
-                   help="homogeneous runs per load level, each on its own arrivals, pooled "
-                   "(default 3; 1 with --quick)")
+                   help="homogeneous runs per load level and shift runs, each on its own "
+                   "arrivals, pooled (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true",
                    help="shorter runs (~8 min): probes 6 8 10 of 15 s, 25 s windows, "
                    "10 s drain, 25 s shift phases, one repeat unless --repeat; not the benchmark")

@@ -1,9 +1,9 @@
-"""The adaptive benchmark's pooling of repeated runs and its interactive oracle
-(``loadtest/adaptive.py``)."""
+"""The adaptive benchmark's pooling of repeated runs, its interactive oracle and the
+shift run's settling figures (``loadtest/adaptive.py``)."""
 
 from __future__ import annotations
 
-from loadtest.adaptive import oracle_interactive, parse_args, pooled, repeat_seed
+from loadtest.adaptive import oracle_interactive, parse_args, pooled, repeat_seed, shift_figures
 from loadtest.overload import Outcome
 from loadtest.workloads import RequestSpec
 
@@ -51,3 +51,33 @@ def test_repeats_use_distinct_seeds_and_quick_runs_once() -> None:
     assert len(seeds) == 9 and repeat_seed(args, 1, 0) == 1  # the first is the old seed
     assert parse_args(["--json", "x", "--quick"]).repeat == 1
     assert parse_args(["--json", "x", "--quick", "--repeat", "2"]).repeat == 2
+
+
+def _shift_run(late: bool) -> tuple[list[tuple[float, float]], list[Outcome]]:
+    """One 60 s shift run with 20 s phases: the limit 4, 2, 4 by phase, sampled every
+    0.5 s, and 4 interactive requests per 5 s window, all good; ``late``: the limit
+    stays 4 until 25 s and one of the 25–30 s window's requests misses its TTFT."""
+    limits = [(t / 2, 2.0 if 20 <= t / 2 < 40 and not (late and t / 2 < 25) else 4.0)
+              for t in range(120)]
+    outs = [Outcome(tenant="t", priority="interactive", sent_s=w * 5 + j + 0.5, status=200,
+                    ttft_s=1.5 if late and w == 5 and j == 0 else 0.2, tpot_s=0.05,
+                    completion_tokens=10)
+            for w in range(12) for j in range(4)]
+    return limits, outs
+
+
+def test_shift_judges_settling_on_the_repeats_together() -> None:
+    runs = [_shift_run(late=True), _shift_run(late=False), _shift_run(late=False)]
+    out = shift_figures([r[0] for r in runs], [r[1] for r in runs], 20.0)
+    # one run alone: its limit is 2 off the phase's 2 until 24.5 s (tolerance 1) and
+    # its 25-30 s window is at 0.75, 0.25 off (tolerance 0.1): settled 10 s in
+    assert out["runs"] == [{"convergence_s": 10.0, "worst_window_attainment": 0.875},
+                           {"convergence_s": 0.0, "worst_window_attainment": 1.0},
+                           {"convergence_s": 0.0, "worst_window_attainment": 1.0}]
+    # together: the limit bins average 8/3 (0.67 off), the window 11/12 (0.083 off)
+    assert out["convergence_s"] == 0.0 and out["convergence_by_switch_s"] == [0.0, 0.0]
+    assert out["worst_window_attainment"] == 23 / 24
+    assert out["limit_by_phase"] == [4.0, 2.2, 4.0]
+    assert out["summary"]["offered"] == 144 and out["summary"]["goodput"] == 143 / 180
+    alone = shift_figures([runs[0][0]], [runs[0][1]], 20.0)
+    assert alone["convergence_s"] == 10.0 and alone["convergence_by_switch_s"] == [10.0, 0.0]
