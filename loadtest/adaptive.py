@@ -347,8 +347,9 @@ async def homogeneous(session: aiohttp.ClientSession, args: argparse.Namespace,
 
 
 def repeat_seed(args: argparse.Namespace, k: int, r: int) -> int:
-    """The arrival seed of repeat ``r`` (0-based) of the homogeneous runs at ``k`` ×
-    capacity: ``--seed + k`` for the first (as before ``--repeat``), 10 more per repeat."""
+    """The arrival seed of repeat ``r`` (0-based) of a repeated run: ``--seed + k`` for
+    the first (as before ``--repeat``), 10 more per repeat; ``k`` is the homogeneous
+    runs' load (× capacity), 50 for the shift run."""
     return args.seed + k + 10 * r
 
 
@@ -460,7 +461,7 @@ async def shift(session: aiohttp.ClientSession, args: argparse.Namespace, out_di
         await warm(session, engines, args)
         for r in range(args.repeat):
             name = "shift" + (f"-r{r}" if r else "")
-            specs = shift_workload(args.shift_load * capacity, phase, args.seed + 50 + 10 * r,
+            specs = shift_workload(args.shift_load * capacity, phase, repeat_seed(args, 50, r),
                                    args.max_output_tokens)
             cfg = adaptive_config(out_dir / name, engines.urls, args, report)
             with gateway(cfg, log_path=out_dir / f"{name}.log", ready_timeout_s=60) as gw:
