@@ -233,8 +233,9 @@ class FleetCollector(Collector):
             "engine misses the TPOT target even alone; its capacity signals admit).",
             labels=["engine", "model", "mode"])
         params = GaugeMetricFamily(
-            "sluice_engine_latency_param", "Fitted latency-model parameter (s, s/token or "
-            "s/sequence; limits.latency_model).", labels=["engine", "model", "param"])
+            "sluice_engine_latency_param", "Fitted latency-model parameter (s, s/token, "
+            "s/sequence, or tokens/token for the turnover ratio; limits.latency_model).",
+            labels=["engine", "model", "param"])
         for e in self.pool.engines:
             if e.latency is None:
                 continue

@@ -81,7 +81,9 @@ and ``vllm:request_prefill_kv_computed_tokens``), each metrics scrape adds
 observations of every request the engine served since the previous one, whoever sent
 it (:meth:`EngineLatency.scraped`, :func:`interval_observations`): the mean
 inter-token latency is a TPOT sample at the interval's mean running + waiting count
-and its uncached prefill tokens per step; the mean prefill time of the requests that
+and its uncached prefill tokens per step, fitted only when no prefill can have run in
+the interval (the counters cannot pair a prefill with the steps it slows:
+:meth:`EngineLatency.scraped`); the mean prefill time of the requests that
 finished is a TTFT sample of a request's own computed prompt tokens with nothing
 queued ahead, at the mean running count. They arrive while requests still decode, so
 the model follows a change without waiting for generations to end. The uncached
@@ -378,11 +380,13 @@ class IntervalObservations:
         ttft: (mean prefill time s, mean computed prompt tokens per request, mean
             running).
         turnover: (uncached prompt tokens, generated tokens) of the interval.
+        uncached: uncached prompt tokens the engine scheduled in the interval.
     """
 
     tpot: tuple[float, float, float, float] | None = None
     ttft: tuple[float, float, float] | None = None
     turnover: tuple[float, float] | None = None
+    uncached: float = 0.0
 
 
 #: Best effort for a TPOT target ends when TPOT̂(1) + z σ falls under this fraction of it
@@ -426,7 +430,7 @@ def interval_observations(prev: EngineCounters, now: EngineCounters) -> Interval
     computed = delta(prev.computed_tokens, now.computed_tokens)
     if n and s_prefill and computed is not None:
         ttft = (s_prefill / n, computed / n, (prev.running + now.running) / 2)
-    return IntervalObservations(tpot, ttft, turnover)
+    return IntervalObservations(tpot, ttft, turnover, uncached)
 
 
 @dataclass(eq=False)
@@ -490,6 +494,9 @@ class EngineLatency:
         self.ttft_errors: list[float] = []
         self._counters: EngineCounters | None = None  # the previous scrape's
         self._engine_turnover = False  # the scrapes feed the turnover ratio
+        #: clock time (s) until which a prefill the scrapes saw scheduled may still
+        #: run (:meth:`scraped`)
+        self._prefill_until = -math.inf
         self._best_effort: set[float] = set()  # TPOT targets served at best effort, s
 
     def best_effort(self, tpot_target_s: float) -> bool:
@@ -664,7 +671,23 @@ class EngineLatency:
     def scraped(self, counters: EngineCounters) -> IntervalObservations:
         """The engine's histograms and counters were read: fit the model to the
         interval since the previous scrape (:func:`interval_observations`); returns
-        what was observed."""
+        what was observed.
+
+        The interval's TPOT sample joins the fit only when no prefill can have run in
+        it: none scheduled in it, and the previous scrape later than the end
+        predicted for every prefill scheduled before (its scrape time + TTFT̂ + z σ of
+        its uncached tokens). The counters cannot pair a prefill with the decode
+        steps it slows: vLLM counts a prompt's tokens
+        (``vllm:prefix_cache_queries``) when it schedules it, all of them at once
+        with chunked prefill, and the steps' inter-token latencies when they end, a
+        step or many later, often in the next interval. Fitted as they came, an
+        interval read a prefill that cost nothing and a later one a slow step with
+        no prefill: on the simulator the per-prefill-token cost fitted at a fifth to
+        half of the true one and the fixed step time rose with it, so after a switch
+        to long prompts TPOT̂(1) + z σ read above the target and engines fell to a
+        limit of 1. Decode-only intervals fit the step time and the per-sequence
+        cost without that error; the prefill interference is learned from the
+        requests the gateway sees end, whose prefills fall inside their decode."""
         prev, self._counters = self._counters, counters
         if prev is None:
             return IntervalObservations()
@@ -672,8 +695,13 @@ class EngineLatency:
         if obs.turnover is not None:
             self._engine_turnover = True
             self.model.observe_turnover(*obs.turnover, counters.at)
+        clean = obs.uncached <= 0 and prev.at >= self._prefill_until
+        if obs.uncached > 0:
+            duration = self.model.predict_ttft(obs.uncached, counters.running).upper(self.z)
+            self._prefill_until = max(self._prefill_until, counters.at + duration)
         if obs.tpot is not None:
-            self.model.observe_tpot(*obs.tpot, request=False)
+            if clean:
+                self.model.observe_tpot(*obs.tpot, request=False)
             tightest = self.tightest_tpot_s()
             if tightest is not None:
                 self.gradient.observe(obs.tpot[0], tightest, max(1, round(obs.tpot[1])))

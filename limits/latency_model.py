@@ -24,7 +24,11 @@ bring ``ρ`` uncached prompt tokens per generated token, so ``prefill/step = ρ 
 ``turnover_tau_s`` (exponentially weighted; :meth:`LatencyModel.observe_turnover`):
 a request's TPOT averages over its whole decode, so the interference it sees is the
 long-run one, not the last second's prefills, which would swing the knee with every
-prefill that lands.
+prefill that lands. A rise of the prompt mix well beyond that noise (a faster
+estimate over ``turnover_fast_tau_s`` above the slow one by :data:`TURNOVER_Z`
+standard deviations of the prefill the slow one expects) restarts the slow sums at
+the fast ones, so the knee falls within seconds of a switch to long prompts instead
+of admitting a slow average's worth of them past it.
 
 Each is fitted by recursive least squares with exponential forgetting (Ljung &
 Söderström, "Theory and Practice of Recursive Identification", MIT Press 1983,
@@ -46,6 +50,7 @@ load).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -187,6 +192,31 @@ class Prediction:
         return self.mean + z * self.std
 
 
+#: Standard deviations by which the fast turnover estimate's prefill tokens must exceed
+#: what the slow ratio expects for them to restart it (:meth:`LatencyModel.observe_turnover`):
+#: a steady mix reads as a change about once in 700 scrapes.
+TURNOVER_Z = 3.0
+
+
+@dataclass
+class _TurnoverSums:
+    """Exponentially decayed sums of turnover spans: uncached prompt tokens, generated
+    tokens, and the squares of each span's uncached tokens (the spread of the
+    prefill they bring); ``at``: clock time of the last span, s."""
+
+    uncached: float = 0.0
+    generated: float = 0.0
+    squares: float = 0.0
+    at: float | None = None
+
+    def add(self, uncached: float, generated: float, at: float, tau_s: float) -> None:
+        w = 1.0 if self.at is None else math.exp(-max(0.0, at - self.at) / tau_s)
+        self.uncached = self.uncached * w + uncached
+        self.generated = self.generated * w + generated
+        self.squares = self.squares * w + uncached * uncached
+        self.at = at
+
+
 class LatencyModel:
     """The TTFT and TPOT regressions of one engine.
 
@@ -200,11 +230,14 @@ class LatencyModel:
             prediction error below this (default 0.35).
         turnover_tau_s: time constant of the turnover ratio ``ρ``, s (default 20: a
             few generations of a typical chat request).
+        turnover_fast_tau_s: time constant of the faster estimate that tells a change
+            of the prompt mix (:meth:`observe_turnover`), s (default 4: a dozen
+            prefills on an engine at a few requests per second).
     """
 
     def __init__(self, prior: LatencyPrior = LatencyPrior(), *, forgetting: float = 0.97,
                  min_samples: int = 20, max_rel_error: float = 0.35,
-                 turnover_tau_s: float = 20.0) -> None:
+                 turnover_tau_s: float = 20.0, turnover_fast_tau_s: float = 4.0) -> None:
         r = prior.rel_std
         a = (prior.ttft_overhead_s, prior.prefill_s_per_token, prior.ttft_s_per_seq)
         b = (prior.step_s, prior.step_s_per_seq, prior.step_s_per_prefill_token)
@@ -217,7 +250,9 @@ class LatencyModel:
         #: ``ρ``: uncached prompt tokens per generated token, recent (module docstring)
         self.prefill_per_token = 0.0
         self.turnover_tau_s = turnover_tau_s
-        self._turnover: tuple[float, float, float] | None = None  # (uncached, generated, at)
+        self.turnover_fast_tau_s = turnover_fast_tau_s
+        self._turnover = _TurnoverSums()
+        self._turnover_fast = _TurnoverSums()
         self._knee: tuple[tuple, int] | None = None
         #: EWMA of the decode steps of the requests seen to finish (None before one)
         self.request_steps: float | None = None
@@ -298,10 +333,13 @@ class LatencyModel:
         return self.tpot.samples >= self.min_samples and self.tpot_rel_error <= self.max_rel_error
 
     def params(self) -> dict[str, float]:
-        """The fitted parameters by name (s, s/token, s/sequence)."""
+        """The fitted parameters by name (s, s/token, s/sequence), the TPOT noise ``σ``
+        (s) and the turnover ratio ``ρ`` (uncached prompt tokens per output token)."""
         a, b = self.ttft.theta, self.tpot.theta
         return {"ttft_overhead_s": a[0], "prefill_s_per_token": a[1], "ttft_s_per_seq": a[2],
-                "step_s": b[0], "step_s_per_seq": b[1], "step_s_per_prefill_token": b[2]}
+                "step_s": b[0], "step_s_per_seq": b[1], "step_s_per_prefill_token": b[2],
+                "tpot_noise_s": math.sqrt(self.tpot.noise_var),
+                "prefill_tokens_per_output_token": self.prefill_per_token}
 
     # ------------------------------------------------------------------ observations
 
@@ -334,13 +372,36 @@ class LatencyModel:
                          at: float) -> None:
         """The engine prefilled ``uncached_tokens`` and generated ``generated_tokens``
         in a span ending at clock time ``at`` (s): both join sums decayed by
-        ``exp(−Δt / turnover_tau_s)``, whose ratio is ``ρ``. Negative counts are
-        ignored."""
+        ``exp(−Δt / turnover_tau_s)``, whose ratio is ``ρ``, and faster ones decayed
+        with ``turnover_fast_tau_s``. Negative counts are ignored.
+
+        When the fast sums' prefill ``U_f`` exceeds what the older spans' ratio
+        expects of their generated tokens ``N_f`` by more than :data:`TURNOVER_Z`
+        standard deviations, ``U_f − ρ_o N_f > Z √(N_f Q_o / (2 N_o))``, the slow
+        sums restart at the fast ones (an average restarted at a detected change, as
+        the arrival rates do: :meth:`limits.engine_latency.BandDemand.rates`). The
+        older spans are the slow sums less the fast ones (each span weighs
+        ``e^(−Δt/τs) − e^(−Δt/τf)`` there, so the recent spans under test do not
+        widen their own yardstick); ``Q_o / N_o``, their squared span prefill per
+        generated token, is the variance per generated token of the prefill a
+        compound Poisson stream of that mix brings (Campbell's theorem; the ``2`` is
+        ``Σw / Σw²`` of the fast kernel; a span that holds two prefills overstates
+        it, which only makes the test stricter). Only a rise restarts: it lowers the
+        knee, where a fall read from a chance lull would raise it past what the mix
+        allows."""
         if uncached_tokens < 0 or generated_tokens < 0:
             return
-        u, n, last = self._turnover or (0.0, 0.0, at)
-        w = math.exp(-max(0.0, at - last) / self.turnover_tau_s)
-        u, n = u * w + uncached_tokens, n * w + generated_tokens
-        self._turnover = (u, n, at)
-        if n > 0:
-            self.prefill_per_token = u / n
+        slow, fast = self._turnover, self._turnover_fast
+        slow.add(uncached_tokens, generated_tokens, at, self.turnover_tau_s)
+        fast.add(uncached_tokens, generated_tokens, at, self.turnover_fast_tau_s)
+        if slow.generated <= 0:
+            return
+        rho = slow.uncached / slow.generated
+        older = slow.generated - fast.generated
+        if older > 0 and fast.generated > 0:
+            rho_o = max(0.0, slow.uncached - fast.uncached) / older
+            var = max(0.0, slow.squares - fast.squares) / older * fast.generated / 2
+            if fast.uncached - rho_o * fast.generated > TURNOVER_Z * math.sqrt(var):
+                self._turnover = dataclasses.replace(fast)
+                rho = fast.uncached / fast.generated
+        self.prefill_per_token = rho

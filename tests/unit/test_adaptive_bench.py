@@ -3,7 +3,16 @@ shift run's settling figures (``loadtest/adaptive.py``)."""
 
 from __future__ import annotations
 
-from loadtest.adaptive import oracle_interactive, parse_args, pooled, repeat_seed, shift_figures
+import pytest
+
+from loadtest.adaptive import (
+    attainment_tolerance,
+    oracle_interactive,
+    parse_args,
+    pooled,
+    repeat_seed,
+    shift_figures,
+)
 from loadtest.overload import Outcome
 from loadtest.workloads import RequestSpec
 
@@ -81,3 +90,28 @@ def test_shift_judges_settling_on_the_repeats_together() -> None:
     assert out["summary"]["offered"] == 144 and out["summary"]["goodput"] == 143 / 180
     alone = shift_figures([runs[0][0]], [runs[0][1]], 20.0)
     assert alone["convergence_s"] == 10.0 and alone["convergence_by_switch_s"] == [10.0, 0.0]
+
+
+def test_settling_allows_a_window_its_binomial_noise() -> None:
+    """A long phase that serves 80 % of 25 interactive requests per 5 s window: one
+    window at 68 % (0.12 off, within 2 √(0.8 × 0.2 / 25) = 0.16) is noise, one at
+    52 % a dip; the last window of the phase (75–80 s) is judged in it."""
+    assert attainment_tolerance(1.0, 8) == 0.1
+    assert attainment_tolerance(0.8, 25) == pytest.approx(0.16)
+
+    def run(bad: dict[int, int]) -> tuple[list[tuple[float, float]], list[Outcome]]:
+        """Windows 8–15 (40–80 s) of 25 requests, 5 of them (or ``bad[w]``) late;
+        the others of 4 requests, all good."""
+        limits = [(t / 2, 4.0) for t in range(240)]
+        outs = [Outcome(tenant="t", priority="interactive", sent_s=w * 5 + j * 0.2,
+                        status=200, ttft_s=1.5 if j < bad.get(w, 5 if 8 <= w < 16 else 0)
+                        else 0.2, tpot_s=0.05, completion_tokens=10)
+                for w in range(24) for j in range(25 if 8 <= w < 16 else 4)]
+        return limits, outs
+
+    noisy = shift_figures(*[[x] for x in run({14: 8})], 40.0)
+    assert noisy["convergence_by_switch_s"] == [0.0, 0.0]
+    dip = shift_figures(*[[x] for x in run({10: 12})], 40.0)
+    assert dip["convergence_by_switch_s"] == [15.0, 0.0]  # settled from 55 s
+    late = shift_figures(*[[x] for x in run({15: 12})], 40.0)
+    assert late["convergence_by_switch_s"] == [40.0, 0.0]  # the phase's last window

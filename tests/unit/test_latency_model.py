@@ -7,10 +7,12 @@ import dataclasses
 import logging
 import math
 import random
+import statistics
 
 import pytest
 
 import config.schema  # noqa: F401 - first: engines.interfaces alone hits an import cycle
+from limits import latency_model
 from limits.engine_latency import (
     BandDemand,
     EngineCounters,
@@ -459,6 +461,45 @@ def test_turnover_ratio_sets_the_prefill_interference_of_a_batch() -> None:
     assert model.prefill_per_token == pytest.approx(300 * w / (100 * w + 100))
 
 
+def turnover_spans(model: LatencyModel, rng: random.Random, start: float, seconds: float,
+                   prompt: tuple[int, int]) -> list[float]:
+    """Quarter-second scrape spans of an engine generating 25 tokens per span and
+    taking a prefill of ``prompt`` (uniform range) tokens in one span of five; returns
+    ``ρ`` after each."""
+    out = []
+    for k in range(int(seconds * 4)):
+        uncached = rng.randint(*prompt) if rng.random() < 0.2 else 0
+        model.observe_turnover(uncached, 25, at=start + k / 4)
+        out.append(model.prefill_per_token)
+    return out
+
+
+def test_turnover_follows_a_rise_of_the_prompt_mix_within_seconds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over 20 arrival seeds: a steady mix (prompts 20–100 tokens: ρ = 0.48) holds ρ
+    near its value; a switch to prompts of 300–700 (ρ = 4) reads most of the new ratio
+    within 4 s, where the 20 s average alone reads a quarter of it; a fall is
+    followed at the 20 s average's pace only."""
+
+    def run(seed: int) -> tuple[list[float], list[float], list[float]]:
+        rng, model = random.Random(seed), LatencyModel()
+        return (turnover_spans(model, rng, 0.0, 120.0, (20, 100)),
+                turnover_spans(model, rng, 120.0, 30.0, (300, 700)),
+                turnover_spans(model, rng, 150.0, 10.0, (20, 100)))
+
+    runs = [run(seed) for seed in range(20)]
+    steady = [statistics.mean(r[0][160:]) for r in runs]
+    assert statistics.mean(steady) == pytest.approx(0.48, rel=0.1)
+    # a chance cluster of long prompts restarts it now and then, briefly
+    assert statistics.mean(max(r[0][160:]) for r in runs) < 0.85
+    after_4s = statistics.mean(r[1][16] for r in runs)
+    assert after_4s > 2.2
+    assert statistics.mean(r[1][-1] for r in runs) == pytest.approx(4.0, rel=0.15)
+    assert min(r[2][-1] for r in runs) > 1.0  # 10 s later: e^(-0.5) of the excess left
+    monkeypatch.setattr(latency_model, "TURNOVER_Z", math.inf)  # the slow average alone
+    assert statistics.mean(run(seed)[1][16] for seed in range(20)) < 1.4
+
+
 def test_weighted_samples_estimate_the_noise_of_a_unit_weight_one() -> None:
     """Three metrics intervals of a few steps (weight 0.03, 33 times the variance)
     per request-length sample (weight 1): the noise estimate is the request's."""
@@ -529,6 +570,41 @@ def test_scrapes_alone_fit_the_model() -> None:
     assert p["step_s_per_seq"] == pytest.approx(0.005, rel=0.1)
     assert p["prefill_s_per_token"] == pytest.approx(0.001, rel=0.1)
     assert eng.model.confident
+
+
+def test_a_scrape_interval_that_a_prefill_may_touch_does_not_fit_tpot() -> None:
+    """vLLM counts a prompt's tokens when it schedules it and the slow step's
+    inter-token latencies when the step ends, intervals later: neither interval is a
+    TPOT sample, nor any until the prefill's predicted end (TTFT̂ + z σ); decode-only
+    intervals after it are."""
+    clock = FakeClock()
+    eng = EngineLatency(fitted(), clock, z=1.0)
+    c = EngineCounters(at=0.0, load=4, running=4, itl_sum_s=0.0, itl_count=0,
+                       prompt_tokens=0, cached_tokens=0, queried_tokens=0,
+                       generated_tokens=0)
+    eng.scraped(c)
+
+    def scrape(dt: float, itl: float, tokens: int, queried: int = 0) -> IntervalObservations:
+        nonlocal c
+        c = dataclasses.replace(c, at=c.at + dt, itl_sum_s=c.itl_sum_s + itl * tokens,
+                                itl_count=c.itl_count + tokens,
+                                queried_tokens=c.queried_tokens + queried,
+                                generated_tokens=c.generated_tokens + tokens)
+        return eng.scraped(c)
+
+    samples = eng.model.tpot.samples
+    assert scrape(0.25, 0.06, 16).tpot is not None  # decode only
+    assert eng.model.tpot.samples == samples + 1
+    end = eng.model.predict_ttft(500, 4).upper(1.0)  # the prefill's predicted length, s
+    assert 0.25 < end < 2.0
+    obs = scrape(0.25, 0.06, 16, queried=500)  # a 500-token prompt scheduled
+    assert obs.uncached == 500 and obs.tpot is not None
+    assert scrape(0.25, 0.6, 4).tpot is not None  # its slow step ends here
+    while c.at < 0.5 + end:  # intervals that start before it may have ended
+        scrape(0.25, 0.06, 16)
+    assert eng.model.tpot.samples == samples + 1
+    scrape(0.25, 0.06, 16)
+    assert eng.model.tpot.samples == samples + 2
 
 
 def test_pool_feeds_scrapes_to_the_engines_latency_model() -> None:
