@@ -256,7 +256,8 @@ class Director:
                              blocks=req.blocks, block_size=self.prompts.block_size(req.model),
                              session_id=request.headers.get("x-session-id") or None)
         return Need(sched, tenant.priority, self._kv_tokens(req), arrived=arrived,
-                    splittable=req.sequences == 1)
+                    splittable=req.sequences == 1,
+                    output_tokens=req.max_output_tokens or self.default_output_tokens)
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
         return Rejected(Outcome.NO_ENGINE,

@@ -106,6 +106,9 @@ class Need:
         tokens: KV-cache tokens it may occupy: prompt + output cap × sequences.
         splittable: may be split into prefill and decode legs (one sequence: the
             connector protocol carries one).
+        output_tokens: its output cap (or the default one), tokens per sequence; 0:
+            not known. Prices its predicted time on an engine (the urgent bands'
+            room, :class:`~limits.engine_latency.BandDemand`).
         arrived: clock time it reached the gateway, s (its TTFT target counts from
             there); None: no SLO check.
     """
@@ -115,6 +118,7 @@ class Need:
     tokens: int
     splittable: bool = True
     arrived: float | None = None
+    output_tokens: int = 0
 
 
 class Placer:
@@ -329,7 +333,8 @@ class Placer:
                              prefix_tokens=decision.prefix_tokens)
         flight = engine.latency.sent(uncached, need.sched.prompt_tokens,
                                      self.slo.target(need.priority).tpot_s,
-                                     PRIORITIES.index(need.priority))
+                                     PRIORITIES.index(need.priority), need.output_tokens)
+        self.band_demand(engine.model).started(need.priority, flight.expected_s)
         return Placement(lease, decision.scores, uncached=uncached, flight=flight,
                          on_release=self._close_flight, prefix_tokens=decision.prefix_tokens)
 
@@ -342,7 +347,8 @@ class Placer:
         engine.latency.finished(flight, ok=False)  # no-op if already finished
         self.band_demand(engine.model).served(
             PRIORITIES[flight.band], self.clock.now() - flight.sent_at,
-            None if flight.first_at is None else flight.first_at - flight.sent_at)
+            None if flight.first_at is None else flight.first_at - flight.sent_at,
+            flight.expected_s)
 
     def _place_split(self, need: Need, candidates: list[Engine], prefill: Sequence[Engine],
                      now: float) -> Placement | None:
@@ -372,7 +378,9 @@ class Placer:
             local = choice.uncached if choice.prefill is None else 0  # a leg: KV loaded
             placement.flight = choice.decode.latency.sent(
                 local, sched.prompt_tokens, self.slo.target(need.priority).tpot_s,
-                PRIORITIES.index(need.priority))
+                PRIORITIES.index(need.priority), need.output_tokens)
+            self.band_demand(choice.decode.model).started(need.priority,
+                                                          placement.flight.expected_s)
             placement.on_release = self._close_flight
         return placement
 

@@ -197,9 +197,20 @@ URGENT_MISS = 0.01
 class BandDemand:
     """Expected requests in service per priority band, from Little's law
     (``L = λ × S``; Little, Operations Research 1961): ``λ`` an EWMA arrival rate
-    (:class:`~limits.drain_rate.DrainRate`) and ``S`` an EWMA of the time a request
-    of the band holds an engine; and the places to keep free for the urgent bands
-    (:meth:`urgent_free`).
+    (:class:`~limits.drain_rate.DrainRate`) and ``S`` the time a request of the band
+    holds an engine (:meth:`service_s`); and the places to keep free for the urgent
+    bands (:meth:`urgent_free`).
+
+    ``S`` is the time on an engine predicted when each request is sent (TTFT̂ +
+    TPOT̂ × its output cap, :attr:`Flight.expected_s`), an EWMA over the band's
+    sends, times an EWMA over its finished requests of their actual time over that
+    prediction (the share of the cap they generate, and the model's bias). An average
+    of finished requests' times alone lags a change of the workload by the new
+    requests' own duration: in the shift benchmark's switch to long prompts the first
+    long requests finished 8 s after it, and until then ``S`` read the short mix's
+    2–3 s, so the burst rule admitted past the knees and too few places were kept for
+    the urgent bands (docs/adaptive-admission.md, "Measured"). The prediction sees
+    the new prompts and caps as they are sent.
 
     Args:
         clock: monotonic time, s.
@@ -209,7 +220,8 @@ class BandDemand:
             (default 2.5); while it reads a surge (:meth:`rates`), :meth:`urgent_free`
             and :meth:`occupancy_through` take the larger of the two, so the places
             for an urgent band open within seconds of its surge.
-        alpha: EWMA weight of a new service time or TTFT (default 0.1).
+        alpha: EWMA weight of a new predicted time on an engine, ratio of actual to
+            predicted time, or TTFT (default 0.1).
     """
 
     def __init__(self, clock: Clock, bands: Sequence[str], *, tau_s: float = 10.0,
@@ -219,7 +231,8 @@ class BandDemand:
         self._tau_s, self._fast_tau_s = tau_s, fast_tau_s
         self._rate = {b: DrainRate(tau_s) for b in self.bands}
         self._fast = {b: DrainRate(fast_tau_s) for b in self.bands}
-        self._service = dict.fromkeys(self.bands, 0.0)
+        self._expected = dict.fromkeys(self.bands, 0.0)  # predicted time on an engine, s
+        self._ratio = dict.fromkeys(self.bands, 0.0)  # actual / predicted time
         self._ttft = dict.fromkeys(self.bands, 0.0)
         self._alpha = alpha
 
@@ -233,12 +246,26 @@ class BandDemand:
         old = table[band]
         table[band] = value if old == 0 else old + self._alpha * (value - old)
 
-    def served(self, band: str, seconds: float, ttft_s: float | None = None) -> None:
-        """A request of ``band`` held an engine for ``seconds``; ``ttft_s``: the time
-        from its send to its first token there (None: it had none)."""
-        self._ewma(self._service, band, seconds)
+    def started(self, band: str, expected_s: float) -> None:
+        """A request of ``band`` was sent to an engine, predicted to hold it for
+        ``expected_s`` (s; 0: no prediction, ignored)."""
+        if expected_s > 0:
+            self._ewma(self._expected, band, expected_s)
+
+    def served(self, band: str, seconds: float, ttft_s: float | None = None,
+               expected_s: float = 0.0) -> None:
+        """A request of ``band`` held an engine for ``seconds``, predicted at send
+        to hold it ``expected_s`` (s; 0: no prediction); ``ttft_s``: the time from its
+        send to its first token there (None: it had none)."""
+        if expected_s > 0 and seconds > 0:
+            self._ewma(self._ratio, band, seconds / expected_s)
         if ttft_s is not None:
             self._ewma(self._ttft, band, ttft_s)
+
+    def service_s(self, band: str) -> float:
+        """``S`` of ``band``: the mean time a request of it holds an engine, s (class
+        docstring); 0 before one of its requests with a prediction has finished."""
+        return self._expected[band] * self._ratio[band]
 
     def rate(self, band: str) -> float:
         """Arrivals of ``band`` per second."""
@@ -246,7 +273,7 @@ class BandDemand:
 
     def occupancy(self, band: str) -> float:
         """``λ × S`` of ``band``: requests of it in service on average."""
-        return self._rate[band].rate(self.clock.now()) * self._service[band]
+        return self._rate[band].rate(self.clock.now()) * self.service_s(band)
 
     def total_occupancy(self) -> float:
         """Summed occupancy of every band: requests in service on average."""
@@ -289,7 +316,7 @@ class BandDemand:
         :meth:`rates` (a surge reads within seconds): what will hold the engines in
         the long run when the less urgent bands yield to them (:meth:`urgent_free`)."""
         rates = self.rates(self.bands[:self.bands.index(band) + 1])
-        return sum(r * self._service[b] for b, r in rates.items())
+        return sum(r * self.service_s(b) for b, r in rates.items())
 
     def urgent_free(self, band: str, places: float, ttft_targets: dict[str, float],
                     miss: float = URGENT_MISS) -> int:
@@ -445,6 +472,8 @@ class Flight:
         sent_at: clock time it was sent, s.
         ahead_tokens / decoding_at_send: TTFT features at send time.
         predicted_ttft_s: TTFT̂ at send time, s.
+        expected_s: its time on the engine predicted at send, s (TTFT̂ + TPOT̂ × its
+            output tokens less one; 0 when its output tokens are not known).
         first_at: clock time of its first token, s (None before).
         integral_at_first / prefilled_at_first: ledger counters at ``first_at``.
     """
@@ -457,6 +486,7 @@ class Flight:
     ahead_tokens: int
     decoding_at_send: int
     predicted_ttft_s: float
+    expected_s: float = 0.0
     first_at: float | None = None
     integral_at_first: float = 0.0
     prefilled_at_first: float = 0.0
@@ -587,16 +617,22 @@ class EngineLatency:
         self._integral_at = now
 
     def sent(self, uncached_tokens: int, prompt_tokens: int, tpot_target_s: float,
-             band: int = 0) -> Flight:
+             band: int = 0, output_tokens: int = 0) -> Flight:
         """A request of priority ``band`` was placed on the engine; returns its
-        handle."""
+        handle. ``output_tokens``: the most it may generate (its output cap; 0: not
+        known), for :attr:`Flight.expected_s`, which the TPOT̂ at the batch it joins
+        prices."""
         now = self.clock.now()
         self._advance(now)
         uncached_tokens = max(0, uncached_tokens)
         ahead = self.pending_prefill_tokens + uncached_tokens
+        ttft = self.model.predict_ttft(ahead, self.decoding).mean
+        expected = 0.0
+        if output_tokens > 0:
+            expected = ttft + self.model.predict_tpot(self.in_flight + 1).mean \
+                * (output_tokens - 1)
         flight = Flight(uncached_tokens, prompt_tokens, band, tpot_target_s, now, ahead,
-                        self.decoding,
-                        self.model.predict_ttft(ahead, self.decoding).mean)
+                        self.decoding, ttft, expected)
         self.flights.add(flight)
         self._targets[tpot_target_s] += 1
         self.pending_prefill_tokens += uncached_tokens

@@ -681,26 +681,73 @@ def test_decide_lets_a_burst_pass_while_the_long_run_load_is_under_the_knee() ->
 
 def _steady_demand(clock: FakeClock, **kw: float) -> BandDemand:
     """2 interactive and 1 standard request per second for 100 s; interactive holds
-    an engine 4 s (0.2 s to its first token), standard 2 s."""
+    an engine 4 s (0.2 s to its first token) where 8 s were predicted at send,
+    standard 2 s as predicted."""
     d = BandDemand(clock, ("interactive", "standard", "batch"), tau_s=10.0, **kw)
     for _ in range(200):
         clock.t += 0.5
         d.arrived("interactive")
         if int(clock.t * 2) % 2 == 0:
             d.arrived("standard")
-        d.served("interactive", 4.0, 0.2)
-        d.served("standard", 2.0, 0.5)
+        d.started("interactive", 8.0)
+        d.started("standard", 2.0)
+        d.served("interactive", 4.0, 0.2, expected_s=8.0)
+        d.served("standard", 2.0, 0.5, expected_s=2.0)
     return d
 
 
 def test_band_demand_is_arrival_rate_times_service_time() -> None:
     clock = FakeClock()
     d = _steady_demand(clock)
+    # the predictions at send, calibrated by the finished requests' actual times
+    assert d.service_s("interactive") == pytest.approx(4.0)
+    assert d.service_s("standard") == pytest.approx(2.0)
+    assert d.service_s("batch") == 0.0  # none finished
     assert d.occupancy("interactive") == pytest.approx(8.0, rel=0.1)
     assert d.occupancy("standard") == pytest.approx(2.0, rel=0.1)
     assert d.total_occupancy() == pytest.approx(10.0, rel=0.1)  # batch had none
     assert d.occupancy_through("interactive") == pytest.approx(8.0, rel=0.15)
     assert d.occupancy_through("batch") == pytest.approx(10.0, rel=0.15)
+
+
+def test_time_on_an_engine_follows_the_requests_sent_before_any_of_them_finishes() -> None:
+    """A switch to requests three times as long: ``S`` moves with their predictions
+    as they are sent (EWMA weight 0.1 each), where the finished requests' times would
+    read the old mix until the first long one ends; its actual time then recalibrates
+    the predictions."""
+    clock = FakeClock()
+    d = _steady_demand(clock)
+    assert d.service_s("standard") == pytest.approx(2.0)
+    for _ in range(10):  # 10 long standard requests sent, none finished yet
+        clock.t += 0.25
+        d.started("standard", 6.0)
+    assert d.service_s("standard") == pytest.approx(6.0 - 4.0 * 0.9 ** 10)
+    # the long ones take 9 s, not the 6 s predicted: the ratio moves towards 1.5
+    d.served("standard", 9.0, 0.5, expected_s=6.0)
+    assert d.service_s("standard") == pytest.approx((6.0 - 4.0 * 0.9 ** 10) * 1.05)
+    # a request without a prediction (its output cap unknown) changes nothing
+    before = d.service_s("standard")
+    d.started("standard", 0.0)
+    d.served("standard", 30.0, 0.5)
+    assert d.service_s("standard") == before
+    fresh = BandDemand(clock, ("interactive", "standard", "batch"))
+    fresh.started("interactive", 5.0)
+    assert fresh.service_s("interactive") == 0.0  # nothing finished: no calibration
+
+
+def test_sent_predicts_the_time_on_the_engine_from_the_output_cap() -> None:
+    """``expected_s`` = TTFT̂ + TPOT̂ at the batch the request joins × (cap − 1)."""
+    clock = FakeClock()
+    prior = LatencyPrior(ttft_overhead_s=0.05, prefill_s_per_token=1e-3, ttft_s_per_seq=5e-3,
+                         step_s=0.03, step_s_per_seq=3e-3, step_s_per_prefill_token=1e-3)
+    eng = EngineLatency(LatencyModel(prior), clock)
+    first = eng.sent(100, 100, 0.1, 0, output_tokens=11)
+    # TTFT̂ 0.05 + 100 × 1e-3 = 0.15 s; TPOT̂(1) = 0.03 + 0.003 = 0.033 s (ρ = 0)
+    assert first.expected_s == pytest.approx(0.15 + 10 * 0.033)
+    second = eng.sent(50, 50, 0.1, 0, output_tokens=21)
+    # 150 tokens ahead: 0.2 s; TPOT̂(2) = 0.036 s
+    assert second.expected_s == pytest.approx(0.2 + 20 * 0.036)
+    assert eng.sent(10, 10, 0.1, 0).expected_s == 0.0  # cap not known
 
 
 def test_urgent_free_places_follow_the_m_m_1_tail() -> None:
