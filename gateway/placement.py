@@ -331,12 +331,20 @@ class Placer:
         if engine.latency is None:
             return Placement(lease, decision.scores, uncached=uncached,
                              prefix_tokens=decision.prefix_tokens)
+        return Placement(lease, decision.scores, uncached=uncached,
+                         flight=self._open_flight(engine, uncached, need),
+                         on_release=self._close_flight, prefix_tokens=decision.prefix_tokens)
+
+    def _open_flight(self, engine: Engine, uncached: int, need: Need) -> Flight:
+        """``need`` goes to ``engine`` computing ``uncached`` prompt tokens there: its
+        flight in the engine's latency ledger, whose predicted time on the engine
+        feeds the band's demand."""
+        assert engine.latency is not None
         flight = engine.latency.sent(uncached, need.sched.prompt_tokens,
                                      self.slo.target(need.priority).tpot_s,
                                      PRIORITIES.index(need.priority), need.output_tokens)
         self.band_demand(engine.model).started(need.priority, flight.expected_s)
-        return Placement(lease, decision.scores, uncached=uncached, flight=flight,
-                         on_release=self._close_flight, prefix_tokens=decision.prefix_tokens)
+        return flight
 
     def _close_flight(self, placement: Placement) -> None:
         """A placement's release: its flight leaves the ledger (learning nothing if
@@ -376,11 +384,7 @@ class Placer:
             placement.prefill = self._lease_prefill(need, choice.prefill, now)
         if choice.decode.latency is not None:  # the decode engine's ledger holds it
             local = choice.uncached if choice.prefill is None else 0  # a leg: KV loaded
-            placement.flight = choice.decode.latency.sent(
-                local, sched.prompt_tokens, self.slo.target(need.priority).tpot_s,
-                PRIORITIES.index(need.priority), need.output_tokens)
-            self.band_demand(choice.decode.model).started(need.priority,
-                                                          placement.flight.expected_s)
+            placement.flight = self._open_flight(choice.decode, local, need)
             placement.on_release = self._close_flight
         return placement
 
