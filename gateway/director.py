@@ -231,8 +231,12 @@ class Director:
     def _kv_tokens(self, req: InferenceRequest) -> int:
         """KV-cache tokens ``req`` may occupy: prompt + output cap (or the default) ×
         sequences; sizes the queue ticket, the KV-block lease and the context check."""
-        return req.prompt_tokens + (req.max_output_tokens or self.default_output_tokens) \
-            * req.sequences
+        return req.prompt_tokens + self._output_cap(req) * req.sequences
+
+    def _output_cap(self, req: InferenceRequest) -> int:
+        """Tokens ``req`` may generate per sequence: its output cap, else the
+        gateway's ``default_output_tokens``."""
+        return req.max_output_tokens or self.default_output_tokens
 
     def _sizing(self, tenant: TenantQuota, req: InferenceRequest) -> Sizing:
         return reservation_size(
@@ -257,7 +261,7 @@ class Director:
                              session_id=request.headers.get("x-session-id") or None)
         return Need(sched, tenant.priority, self._kv_tokens(req), arrived=arrived,
                     splittable=req.sequences == 1,
-                    output_tokens=req.max_output_tokens or self.default_output_tokens)
+                    output_tokens=self._output_cap(req))
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
         return Rejected(Outcome.NO_ENGINE,
