@@ -1,0 +1,244 @@
+"""Every operator action the README documents, in every way Sluice runs (issue 39
+item 16): one ``sluice serve`` process, ``sluice serve --workers 2``, and two
+replicas (two ``sluice serve`` on one Redis in front of one ``external`` engine).
+
+* reload on SIGHUP: every gateway process reloads its files, and keeps serving;
+* reload on a file change: a tenant added to ``tenants.yaml`` is served by every
+  gateway process;
+* stop with SIGTERM and with SIGINT (Ctrl-C): requests in flight are drained (each
+  stream ends whole, ``[DONE]`` and usage), every process exits with status 0 and
+  leaves no process behind (the launched engine is stopped).
+
+The operator signals what they started: the one process, the ``--workers`` parent,
+or each replica. Each gateway process serves ``/metrics`` on its own port
+(``observability.metrics_listen``; worker i on port + i), which is how a test sees
+each one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+import psutil
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.launch import RedisServer
+from tests.conftest import free_port
+from tests.integration.limits_support import auth, chat, sim_engine, tenant, write_config
+from tests.integration.test_workers import metrics_port_pair
+from tests.support import wait_for, wait_for_sync
+
+pytestmark = pytest.mark.timeout(180)
+
+MODES = ["one", "workers", "replicas"]
+SPEED = 10.0  # the simulator's speed: ~5 ms per output token
+STREAM_TOKENS = 600  # a stream of ~3 s, still running when the signal comes
+
+
+@dataclass
+class Deployment:
+    """What an operator runs: ``signalled`` (the processes they signal), ``url``
+    (where clients connect), ``metrics`` (one ``/metrics`` URL per gateway process),
+    ``config_dirs`` (one folder per process the operator configures), ``logs``."""
+
+    signalled: list[subprocess.Popen[bytes]]
+    url: list[str]
+    metrics: list[str]
+    config_dirs: list[Path]
+    logs: list[Path]
+    family: list[psutil.Process] = field(default_factory=list)
+
+    def log_tail(self) -> str:
+        return "\n".join(p.read_text()[-2000:] for p in self.logs if p.exists())
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(url, timeout=5).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def _serve(config_dir: Path, port: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config-dir", str(config_dir),
+         "--port", str(port), *extra],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def _config(directory: Path, engine: dict, metrics_port: int, redis_url: str | None) -> Path:
+    gateway: dict = {"observability": {"access_log": False, "tracing": False,
+                                       "metrics_listen": f"127.0.0.1:{metrics_port}"},
+                     "drain_grace_s": 30}
+    if redis_url:
+        gateway["limits"] = {"store_url": redis_url, "redis_timeout_s": 5.0}
+    return write_config(directory, tenants=[tenant("t")], engines=[engine], gateway=gateway,
+                        saturation={"max_waiting": 1000})
+
+
+@contextmanager
+def deploy(mode: str, tmp_path: Path) -> Iterator[Deployment]:
+    """Start ``mode``'s gateways (and, for replicas, Redis and the external engine);
+    yield once every gateway process is ready; stop whatever is left at the end."""
+    with ExitStack() as stack:
+        procs: list[subprocess.Popen[bytes]] = []
+
+        def stop_all() -> None:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+        stack.callback(stop_all)
+        if mode in ("one", "workers"):
+            workers = 2 if mode == "workers" else 1
+            mport, port = metrics_port_pair(), free_port()
+            cfg = _config(tmp_path / "cfg", sim_engine(speed=SPEED), mport, None)
+            log = tmp_path / "serve.log"
+            procs.append(_serve(cfg, port, log, *(["--workers", "2"] if workers > 1 else [])))
+            d = Deployment(list(procs), [f"http://127.0.0.1:{port}"],
+                           [f"http://127.0.0.1:{mport + i}/metrics" for i in range(workers)],
+                           [cfg], [log])
+        else:
+            redis = RedisServer()
+            redis.start()
+            stack.callback(redis.stop)
+            eport = free_port()
+            engine_log = tmp_path / "engine.log"
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "loadtest.sim_engine", "--host", "127.0.0.1",
+                 "--port", str(eport), "--model", "sim-model", *sim_engine(speed=SPEED)["args"]],
+                stdout=engine_log.open("wb"), stderr=subprocess.STDOUT))
+            external = {"name": "sim", "model": "sim-model", "kind": "external",
+                        "url": f"http://127.0.0.1:{eport}"}
+            replicas, urls, metrics, dirs, logs = [], [], [], [], [engine_log]
+            for i in range(2):
+                mport, port = free_port(), free_port()
+                cfg = _config(tmp_path / f"cfg{i}", external, mport, redis.url)
+                logs.append(tmp_path / f"replica{i}.log")
+                replicas.append(_serve(cfg, port, logs[-1]))
+                urls.append(f"http://127.0.0.1:{port}")
+                metrics.append(f"http://127.0.0.1:{mport}/metrics")
+                dirs.append(cfg)
+            procs.extend(replicas)
+            d = Deployment(replicas, urls, metrics, dirs, logs)
+
+        def ready() -> bool:
+            for p in procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"exited {p.returncode}: {d.log_tail()}")
+            try:
+                return all(httpx.get(u, timeout=2).status_code == 200 for u in d.metrics) and all(
+                    httpx.get(u + "/ready", timeout=2).status_code == 200
+                    for u in d.url for _ in range(4 * len(d.metrics)))
+            except httpx.HTTPError:
+                return False
+
+        wait_for_sync(ready, 90, f"the {mode} deployment to be ready")
+        d.family = [c for p in d.signalled for c in psutil.Process(p.pid).children(recursive=True)]
+        yield d
+
+
+def reloads(d: Deployment) -> list[float]:
+    return [metric(u, "sluice_config_reloads_total", result="ok") for u in d.metrics]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sighup_reloads_every_gateway_process(mode: str, tmp_path: Path) -> None:
+    with deploy(mode, tmp_path) as d:
+        before = reloads(d)
+        for p in d.signalled:
+            p.send_signal(signal.SIGHUP)
+        # SIGHUP reloads both watched files (tenants, engines), changed or not
+        wait_for_sync(lambda: all(a >= b + 2 for a, b in zip(reloads(d), before, strict=True)),
+                      20, f"every process to reload on SIGHUP ({before})")
+        assert all(p.poll() is None for p in d.signalled), d.log_tail()
+        for url in d.url:
+            r = httpx.post(url + "/v1/chat/completions", json=chat(), headers=auth("t"),
+                           timeout=30)
+            assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_changed_tenants_file_reaches_every_gateway_process(mode: str, tmp_path: Path) -> None:
+    with deploy(mode, tmp_path) as d:
+        r = httpx.post(d.url[0] + "/v1/chat/completions", json=chat(), headers=auth("late"))
+        assert r.status_code == 401
+        for cfg in d.config_dirs:  # an atomic replace, as an editor or `mv` does
+            doc = yaml.safe_load((cfg / "tenants.yaml").read_text())
+            doc["tenants"].append(tenant("late"))
+            (cfg / "tenants.yaml.new").write_text(yaml.safe_dump(doc))
+            os.replace(cfg / "tenants.yaml.new", cfg / "tenants.yaml")
+
+        def every_process_served_late() -> bool:
+            for url in d.url:  # a new connection each: the kernel picks the worker
+                httpx.post(url + "/v1/chat/completions", json=chat(), headers=auth("late"),
+                           timeout=30)
+            return all(metric(u, "sluice_requests_total", tenant="late", status="200") > 0
+                       for u in d.metrics)
+
+        wait_for_sync(every_process_served_late, 30, "every process to serve the new tenant")
+
+
+async def _stream(url: str, started: asyncio.Queue[str]) -> tuple[int, int, bool]:
+    """One long stream on its own connection: (status, completion tokens, [DONE] seen);
+    puts ``url`` on ``started`` once the first event arrived."""
+    async with aiohttp.ClientSession() as session, session.post(
+            url + "/v1/chat/completions", headers=auth("t"),
+            json=chat("drain me", STREAM_TOKENS, stream=True)) as r:
+        body = b""
+        async for chunk in r.content.iter_any():
+            if not body:
+                started.put_nowait(url)
+            body += chunk
+    events = [e.removeprefix(b"data: ") for e in body.split(b"\n\n") if e.startswith(b"data: ")]
+    usage = [json.loads(e)["usage"] for e in events if e != b"[DONE]" and json.loads(e).get("usage")]
+    return r.status, usage[-1]["completion_tokens"] if usage else 0, events[-1:] == [b"[DONE]"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("mode", MODES)
+async def test_stop_drains_requests_in_flight_and_leaves_nothing(mode: str, sig: int,
+                                                                 tmp_path: Path) -> None:
+    with deploy(mode, tmp_path) as d:
+        started: asyncio.Queue[str] = asyncio.Queue()
+        streams: list[asyncio.Task] = []
+
+        def in_flight() -> list[float]:
+            return [metric(u, "sluice_engine_requests_in_flight") for u in d.metrics]
+
+        # streams until every gateway process has one in flight (the kernel spreads
+        # the workers' connections), at most 12
+        async def each_process_busy() -> bool:
+            if all(n > 0 for n in in_flight()):
+                return True
+            if len(streams) < 12:
+                url = d.url[len(streams) % len(d.url)]
+                streams.append(asyncio.create_task(_stream(url, started)))
+                await started.get()
+            return False
+
+        await wait_for(each_process_busy, 30, "a stream in flight on every process", poll_s=0.05)
+        for p in d.signalled:
+            p.send_signal(sig)
+        results = await asyncio.wait_for(asyncio.gather(*streams), 60)
+        for status, tokens, done in results:  # every stream drained whole
+            assert (status, tokens, done) == (200, STREAM_TOKENS, True), d.log_tail()
+        for p in d.signalled:
+            assert await asyncio.to_thread(p.wait, 60) == 0, d.log_tail()
+        # the launched engine and the workers are gone too
+        _gone, alive = await asyncio.to_thread(psutil.wait_procs, d.family, 15)
+        assert not alive, [p.cmdline() for p in alive]
