@@ -98,6 +98,11 @@ def _load(args: argparse.Namespace) -> Config:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # The gateway runs torch only for the CPU embedding model, never a GPU kernel, but
+    # torch._dynamo imports Triton when it is installed (vLLM brings it), and Triton's
+    # nanobind bindings print "nanobind: leaked ..." (~600 lines) when the interpreter
+    # exits. Not importing it removes that, and its start-up cost.
+    sys.modules.setdefault("triton", None)  # type: ignore[arg-type]
     try:
         cfg = _load(args)
     except ConfigError as e:
