@@ -22,6 +22,7 @@ from cache.policy import request_cacheable
 from cache.replay import as_json, as_sse
 from cache.service import CacheHit, CacheRequest, ResponseCache
 from config.schema import PRIORITIES, Config, DegradationConfig, EnginesConfig, TenantQuota
+from engines.kinds import accepts_cache_salt
 from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, PromptInput, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
@@ -86,7 +87,7 @@ def _salted_models(engines: EnginesConfig) -> set[str]:
     """Models whose every engine accepts vLLM's ``cache_salt`` (when enabled)."""
     return {m for m in engines.model_names()
             if engines.scheduler.prefix.cache_salt
-            and all(s.accepts_cache_salt for s in engines.engines if s.model == m)}
+            and all(accepts_cache_salt(s) for s in engines.engines if s.model == m)}
 
 
 def _gone(model: str) -> Rejected:

@@ -380,7 +380,7 @@ class LatencyModel:
         expects of their generated tokens ``N_f`` by more than :data:`TURNOVER_Z`
         standard deviations, ``U_f − ρ_o N_f > Z √(N_f Q_o / (2 N_o))``, the slow
         sums restart at the fast ones (an average restarted at a detected change, as
-        the arrival rates do: :meth:`limits.engine_latency.BandDemand.rates`). The
+        the arrival rates do: :meth:`limits.band_demand.BandDemand.rates`). The
         older spans are the slow sums less the fast ones (each span weighs
         ``e^(−Δt/τs) − e^(−Δt/τf)`` there, so the recent spans under test do not
         widen their own yardstick); ``Q_o / N_o``, their squared span prefill per

@@ -3,6 +3,7 @@ applies, and which file events wake the reloader."""
 
 from __future__ import annotations
 
+
 def test_engines_reload_keeps_the_sections_that_need_a_restart() -> None:
     """``reloadable_engines``: the fleet, models, scheduler plugins and saturation
     come from the new file; the restart-only sections stay and are named."""
