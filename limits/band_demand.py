@@ -1,6 +1,7 @@
 """Expected requests in service per priority band and the places to keep free for the
 urgent bands (:class:`BandDemand`); the rules and their sources are in
-``docs/adaptive-admission.md``, "Room for more urgent bands".
+``docs/adaptive-admission.md``, "The decision" ("Room for the urgent bands",
+"Time on an engine", "Arrival rates that tell a surge from noise").
 """
 
 from __future__ import annotations
@@ -29,15 +30,9 @@ class BandDemand:
     bands (:meth:`urgent_free`).
 
     ``S`` is the time on an engine predicted when each request is sent (TTFT̂ +
-    TPOT̂ × its output cap, :attr:`~limits.engine_latency.Flight.expected_s`), an EWMA over the band's
-    sends, times an EWMA over its finished requests of their actual time over that
-    prediction (the share of the cap they generate, and the model's bias). An average
-    of finished requests' times alone lags a change of the workload by the new
-    requests' own duration: in the shift benchmark's switch to long prompts the first
-    long requests finished 8 s after it, and until then ``S`` read the short mix's
-    2–3 s, so the burst rule admitted past the knees and too few places were kept for
-    the urgent bands (docs/adaptive-admission.md, "Measured"). The prediction sees
-    the new prompts and caps as they are sent.
+    TPOT̂ × its output cap, :attr:`~limits.engine_latency.Flight.expected_s`), an EWMA
+    over the band's sends, times an EWMA over its finished requests of their actual
+    time over that prediction (docs/adaptive-admission.md, "Time on an engine").
 
     Args:
         clock: monotonic time, s.

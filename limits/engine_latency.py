@@ -40,7 +40,7 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
            tightest_running_tpot_s: float | None, z: float, limit: float | None = None,
            reserve: float = 0.0, sustained: float | None = None,
            best_effort: bool = False, elsewhere: bool = True) -> Verdict:
-    """Whether an engine takes a request (rules in the module docstring).
+    """Whether an engine takes a request (rules: docs/adaptive-admission.md, "The decision").
 
     Args:
         model: the engine's fitted model.
@@ -66,7 +66,7 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
             mean while the TTFT fit is not trusted, and only when ``elsewhere``.
         elsewhere: another engine may serve the request within its SLO (else, at
             best effort, holding it back would only move its wait from this engine's
-            queue to the gateway's: module docstring).
+            queue to the gateway's: docs/adaptive-admission.md, "Best effort").
     """
     ttft = model.predict_ttft(pending_prefill_tokens + uncached_tokens, decoding)
     alone = model.predict_ttft(uncached_tokens, decoding)  # no prefill queued ahead
@@ -120,10 +120,11 @@ MIN_INTERVAL_TOKENS = 4
 
 
 def interval_observations(prev: EngineCounters, now: EngineCounters) -> IntervalObservations:
-    """The model's samples in the interval between two scrapes (rules in the module
-    docstring). Counters that fell (an engine restart) or an interval with no time
-    yield nothing; the TPOT sample needs :data:`MIN_INTERVAL_TOKENS` decoded tokens,
-    the TTFT sample a finished request with its computed tokens."""
+    """The model's samples in the interval between two scrapes (rules:
+    docs/adaptive-admission.md, "Observations"). Counters that fell (an engine
+    restart) or an interval with no time yield nothing; the TPOT sample needs
+    :data:`MIN_INTERVAL_TOKENS` decoded tokens, the TTFT sample a finished request
+    with its computed tokens."""
     dt = now.at - prev.at
     if dt <= 0:
         return IntervalObservations()
@@ -230,7 +231,7 @@ class EngineLatency:
         knee's own test at a batch of 1) exceeds the target while the fit remembers a
         request decoding alone (:attr:`LatencyModel.alone_observed`: else TPOT̂(1) is
         an extrapolation, not evidence), or exceeded it and has not yet fallen under
-        :data:`BEST_EFFORT_EXIT` × the target (module docstring)."""
+        :data:`BEST_EFFORT_EXIT` × the target (docs/adaptive-admission.md, "Best effort")."""
         was = tpot_target_s in self._best_effort
         alone = self.model.tpot_alone_s(self.z) if self.model.confident else None
         now = (alone is not None and alone > tpot_target_s * (BEST_EFFORT_EXIT if was else 1.0)
