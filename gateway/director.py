@@ -1,6 +1,5 @@
-"""The per-request pipeline (docs/architecture.md, "One request"): parse → tenant checks →
-cache lookup → rate limit → admission (queue, degradation, shedding) → schedule →
-proxy (retrying on another engine only before the first byte) → finish.
+"""The per-request pipeline: orchestrates the steps of docs/architecture.md, "One
+request", each of which is owned by another module.
 
 Everything a request acquires (rate-limit reservation, concurrency slot, engine lease
 and its promised KV blocks) is held by an ``async with`` and released exactly once,
