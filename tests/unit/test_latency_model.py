@@ -11,7 +11,6 @@ import statistics
 
 import pytest
 
-import config.schema  # noqa: F401 - first: engines.interfaces alone hits an import cycle
 from limits import latency_model
 from limits.band_demand import BandDemand
 from limits.engine_latency import (
