@@ -372,10 +372,24 @@ class Supervisor:
             return
         await _cancel([self._tasks[r][0] for r in runners])
         engines = [r.engine for r in runners]
-        if not await wait_for(self.pool, lambda: all(e.in_flight <= 0 for e in engines),
-                              grace_s):
+        # With other workers (an address file), they route to the launched engines
+        # too: their requests count only in the engine's own report, scraped after the
+        # drain began (every worker marked the engine draining on the same reload).
+        shared = {r.engine.id for r in runners if r.command is not None and self.address_file}
+        since = self.clock.now()
+
+        def drained(e: Engine) -> bool:
+            if e.in_flight > 0:
+                return False
+            if e.id not in shared:
+                return True
+            m = e.metrics
+            return m is not None and m.at > since and m.num_running + m.num_waiting == 0
+
+        if not await wait_for(self.pool, lambda: all(drained(e) for e in engines), grace_s):
             log.warning("drain grace %.1fs over; stopping with requests in flight: %s",
-                        grace_s, {e.id: e.in_flight for e in engines if e.in_flight > 0})
+                        grace_s, {e.id: e.in_flight or e.metrics and e.metrics.num_running
+                                  for e in engines if not drained(e)})
         await asyncio.gather(*(r.stop_process(self.cfg.supervisor.stop_grace_s)
                                for r in runners))
         for runner in runners:

@@ -79,20 +79,29 @@ def _serve(config_dir: Path, port: int, log: Path, *extra: str) -> subprocess.Po
         env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
-def _config(directory: Path, engine: dict, metrics_port: int, redis_url: str | None) -> Path:
+def _config(directory: Path, engines: list[dict], metrics_port: int,
+            redis_url: str | None) -> Path:
     gateway: dict = {"observability": {"access_log": False, "tracing": False,
                                        "metrics_listen": f"127.0.0.1:{metrics_port}"},
                      "drain_grace_s": 30}
     if redis_url:
         gateway["limits"] = {"store_url": redis_url, "redis_timeout_s": 5.0}
-    return write_config(directory, tenants=[tenant("t")], engines=[engine], gateway=gateway,
-                        saturation={"max_waiting": 1000})
+    write_config(directory, tenants=[tenant("t")], engines=engines, gateway=gateway,
+                 saturation={"max_waiting": 1000})
+    # an engine gets 0.5 s after SIGTERM (the simulator, like vLLM's server, finishes
+    # its streams on SIGTERM): only the gateway's own drain keeps a stream whole
+    doc = yaml.safe_load((directory / "engines.yaml").read_text())
+    doc["supervisor"]["stop_grace_s"] = 0.5
+    (directory / "engines.yaml").write_text(yaml.safe_dump(doc))
+    return directory
 
 
 @contextmanager
-def deploy(mode: str, tmp_path: Path) -> Iterator[Deployment]:
-    """Start ``mode``'s gateways (and, for replicas, Redis and the external engine);
-    yield once every gateway process is ready; stop whatever is left at the end."""
+def deploy(mode: str, tmp_path: Path, engines: int = 1) -> Iterator[Deployment]:
+    """Start ``mode``'s gateways in front of ``engines`` simulated engines (``sim``,
+    ``sim2``; for replicas, Redis and the engines as ``external`` ones); yield once
+    every gateway process is ready; stop whatever is left at the end."""
+    names = ["sim", "sim2"][:engines]
     with ExitStack() as stack:
         procs: list[subprocess.Popen[bytes]] = []
 
@@ -106,7 +115,8 @@ def deploy(mode: str, tmp_path: Path) -> Iterator[Deployment]:
         if mode in ("one", "workers"):
             workers = 2 if mode == "workers" else 1
             mport, port = metrics_port_pair(), free_port()
-            cfg = _config(tmp_path / "cfg", sim_engine(speed=SPEED), mport, None)
+            cfg = _config(tmp_path / "cfg", [sim_engine(n, speed=SPEED) for n in names],
+                          mport, None)
             log = tmp_path / "serve.log"
             procs.append(_serve(cfg, port, log, *(["--workers", "2"] if workers > 1 else [])))
             d = Deployment(list(procs), [f"http://127.0.0.1:{port}"],
@@ -116,18 +126,21 @@ def deploy(mode: str, tmp_path: Path) -> Iterator[Deployment]:
             redis = RedisServer()
             redis.start()
             stack.callback(redis.stop)
-            eport = free_port()
-            engine_log = tmp_path / "engine.log"
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "loadtest.sim_engine", "--host", "127.0.0.1",
-                 "--port", str(eport), "--model", "sim-model", *sim_engine(speed=SPEED)["args"]],
-                stdout=engine_log.open("wb"), stderr=subprocess.STDOUT))
-            external = {"name": "sim", "model": "sim-model", "kind": "external",
-                        "url": f"http://127.0.0.1:{eport}"}
-            replicas, urls, metrics, dirs, logs = [], [], [], [], [engine_log]
+            externals, logs = [], []
+            for name in names:
+                eport = free_port()
+                logs.append(tmp_path / f"{name}.log")
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "loadtest.sim_engine", "--host", "127.0.0.1",
+                     "--port", str(eport), "--model", "sim-model",
+                     *sim_engine(speed=SPEED)["args"]],
+                    stdout=logs[-1].open("wb"), stderr=subprocess.STDOUT))
+                externals.append({"name": name, "model": "sim-model", "kind": "external",
+                                  "url": f"http://127.0.0.1:{eport}"})
+            replicas, urls, metrics, dirs = [], [], [], []
             for i in range(2):
                 mport, port = free_port(), free_port()
-                cfg = _config(tmp_path / f"cfg{i}", external, mport, redis.url)
+                cfg = _config(tmp_path / f"cfg{i}", externals, mport, redis.url)
                 logs.append(tmp_path / f"replica{i}.log")
                 replicas.append(_serve(cfg, port, logs[-1]))
                 urls.append(f"http://127.0.0.1:{port}")
@@ -242,3 +255,37 @@ async def test_stop_drains_requests_in_flight_and_leaves_nothing(mode: str, sig:
         # the launched engine and the workers are gone too
         _gone, alive = await asyncio.to_thread(psutil.wait_procs, d.family, 15)
         assert not alive, [p.cmdline() for p in alive]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_removed_engine_drains_every_processs_requests(mode: str, tmp_path: Path) -> None:
+    """engines.yaml loses an engine while streams run on it through every gateway
+    process: each stream ends whole before the engine is stopped (with ``--workers``
+    the engine's owner, worker 0, must wait for the other workers' requests too)."""
+    with deploy(mode, tmp_path, engines=2) as d:
+        started: asyncio.Queue[str] = asyncio.Queue()
+        streams: list[asyncio.Task] = []
+
+        def on_second() -> list[float]:
+            return [metric(u, "sluice_engine_requests_in_flight", engine="sim2")
+                    for u in d.metrics]
+
+        async def each_process_busy_on_sim2() -> bool:
+            if all(n > 0 for n in on_second()):
+                return True
+            if len(streams) < 24:
+                url = d.url[len(streams) % len(d.url)]
+                streams.append(asyncio.create_task(_stream(url, started)))
+                await started.get()
+            return False
+
+        await wait_for(each_process_busy_on_sim2, 60, "a stream on sim2 in every process",
+                       poll_s=0.05)
+        for cfg in d.config_dirs:
+            doc = yaml.safe_load((cfg / "engines.yaml").read_text())
+            doc["engines"] = [e for e in doc["engines"] if e["name"] != "sim2"]
+            (cfg / "engines.yaml.new").write_text(yaml.safe_dump(doc))
+            os.replace(cfg / "engines.yaml.new", cfg / "engines.yaml")
+        results = await asyncio.wait_for(asyncio.gather(*streams), 60)
+        for status, tokens, done in results:
+            assert (status, tokens, done) == (200, STREAM_TOKENS, True), d.log_tail()
