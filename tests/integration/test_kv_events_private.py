@@ -59,3 +59,24 @@ def test_launched_engines_listen_on_loopback_only(tmp_path: Path) -> None:
         assert gw.proc.wait(30) == 0
     assert not folder.exists()
 
+
+
+def test_every_worker_follows_the_private_sockets(tmp_path: Path) -> None:
+    """``--workers 2``: worker 1 reads the ``ipc://`` endpoints from worker 0's address
+    file and follows the same publishers; still nothing but loopback listens."""
+    from tests.integration.test_workers import metrics_port_pair, workers
+
+    mport = metrics_port_pair()
+    cfg = write_config(tmp_path, tenants=[tenant("t")], engines=[sim_engine("sim")],
+                       gateway={"observability": {"access_log": False, "tracing": False,
+                                                  "metrics_listen": f"127.0.0.1:{mport}"}})
+    engines = yaml.safe_load((cfg / "engines.yaml").read_text())
+    engines["scheduler"] = {"prefix": {"source": "events"}}
+    (cfg / "engines.yaml").write_text(yaml.safe_dump(engines))
+    with workers(cfg, mport) as w:
+        def both_synced() -> bool:
+            return all('sluice_engine_kv_events_synced{engine="sim",model="sim-model"} 1.0'
+                       in httpx.get(u, timeout=5).text for u in w.metrics_urls)
+
+        wait_for_sync(both_synced, 30, "both workers to follow the engine's events")
+        assert not exposed(w.proc.pid), exposed(w.proc.pid)
