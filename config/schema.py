@@ -62,13 +62,18 @@ class LimitsConfig(_Strict):
 
     ``store_url``: ``memory://`` (one process) or ``redis://host:port/db`` (shared by
     every gateway replica). ``redis_failure``: ``open`` falls back to a local limiter
-    while Redis is unreachable, ``closed`` rejects with 503.
+    while Redis is unreachable or refuses writes (read-only replica, ``OOM``,
+    ``MISCONF``), ``closed`` rejects with 503. ``max_pending_releases``: concurrency
+    slots released while Redis was down are kept (up to this many) and released in
+    Redis when it returns; past the bound the oldest free only when their lease expires.
     """
 
     store_url: str = "memory://"
     redis_failure: Literal["open", "closed"] = "open"
     lease_ttl_s: float = Field(600.0, gt=0, description="concurrency lease expiry, s")
     redis_timeout_s: float = Field(0.25, gt=0)
+    max_pending_releases: int = Field(
+        10_000, ge=1, description="slot releases kept while Redis is down, leases")
 
     @field_validator("store_url")
     @classmethod
