@@ -266,6 +266,10 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg, worker = app[CONFIG], app[WORKER]
     session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+        # answers are relayed and parsed as they arrive: ask engines (and any proxy in
+        # front of them) for uncompressed bytes; aiohttp would otherwise offer gzip,
+        # deflate (and br) on every request, probes and scrapes included
+        headers={"Accept-Encoding": "identity"},
         auto_decompress=False,
     )
     app[SESSION] = session

@@ -258,6 +258,15 @@ class EngineClient:
         except (aiohttp.ClientConnectionError, OSError) as e:
             raise UpstreamFailed(Outcome.NO_ENGINE, f"engine {engine.id} unreachable: {e}",
                                  retryable=True) from None
+        encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):  # asked for identity (gateway.app's session)
+            resp.close()
+            log.error("engine %s answered with Content-Encoding %r although asked for "
+                      "identity; the gateway relays bytes as they arrive and cannot "
+                      "decode them", engine.id, encoding)
+            raise UpstreamFailed(Outcome.UPSTREAM_ERROR,
+                                 f"engine {engine.id} sent a {encoding}-encoded answer",
+                                 retryable=True)
         if resp.status >= 400:
             try:
                 raw = await resp.read()
