@@ -165,6 +165,10 @@ class GatewayConfig(_Strict):
     observability: ObservabilityConfig = ObservabilityConfig()
     admin_key_hashes: list[str] = Field(default_factory=list)
     retry_attempts: int = Field(2, ge=1, description="engines tried before the first byte")
+    max_sequences: int = Field(
+        256, ge=1, description="sequences one request may make the engine generate: "
+        "prompts × max(n, best_of) (gateway.openai_api.sequences); more is a 400. 256 is "
+        "vLLM's default max_num_seqs on GPU, one engine's whole batch")
     default_output_tokens: int = Field(
         256, ge=1, description="output tokens reserved when a request sets no output cap; "
         "for a tenant with tokens_per_min it also becomes the request's cap (lowered to "
@@ -208,6 +212,8 @@ class TenantQuota(_Strict):
     max_queue_wait_s: float | None = Field(None, gt=0)
     max_prompt_tokens: int | None = Field(None, ge=1)
     max_output_tokens: int | None = Field(None, ge=1)
+    max_sequences: int | None = Field(
+        None, ge=1, description="per request, below gateway.max_sequences; None: that one")
     allowed_models: list[str] | None = None
     cache_namespace: str | None = None
     cache: TenantCache = TenantCache()

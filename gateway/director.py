@@ -28,7 +28,13 @@ from engines.scheduler import SchedRequest, Scheduler
 from gateway.capacity import CapacityReport
 from gateway.disagg import Disaggregator, PrefillLeg
 from gateway.keys import RECORD, TENANT
-from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_request
+from gateway.openai_api import (
+    Endpoint,
+    InferenceRequest,
+    parse_json,
+    parse_request,
+    prompt_count,
+)
 from gateway.placement import Need, Placement, Placer
 from gateway.prefill_queue import LegShed
 from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
@@ -206,6 +212,26 @@ class Director:
                 param="model",
             )
 
+    def _check_sequences(self, tenant: TenantQuota, req: InferenceRequest) -> None:
+        """At most ``gateway.max_sequences`` (or the tenant's lower ``max_sequences``)
+        sequences per request (prompts × max(n, best_of)), before any work on it.
+
+        Raises:
+            Rejected: 400 ``invalid_request`` naming ``prompt`` when the prompts alone
+                exceed it, else ``n`` or ``best_of`` (whichever is larger)."""
+        limit = min(self.cfg.gateway.max_sequences, tenant.max_sequences or math.inf)
+        total = req.sequences
+        if total <= limit:
+            return
+        prompts = prompt_count(req.endpoint, req.body)
+        n, best_of = req.body.get("n") or 1, req.body.get("best_of") or 1
+        param = "prompt" if prompts > limit else ("best_of" if best_of > n else "n")
+        raise Rejected(
+            Outcome.INVALID_REQUEST,
+            f"This request asks for {total} sequences ({prompts} prompt(s) × "
+            f"{max(n, best_of)} per prompt, the larger of 'n' and 'best_of'); at most "
+            f"{int(limit)} are allowed per request.", param=param)
+
     def _apply_tenant_caps(self, tenant: TenantQuota, req: InferenceRequest) -> None:
         if tenant.max_prompt_tokens is not None and req.prompt_tokens > tenant.max_prompt_tokens:
             about = "" if req.prompt_exact else "about "
@@ -313,6 +339,7 @@ class Director:
             req = parse_request(endpoint, parse_json(await self._read_body(request)))
             rec.model, rec.stream = req.model, req.stream
             self._check_model(tenant, req)
+            self._check_sequences(tenant, req)
             if req.model in self._salted:  # before the cache key: lookup and store agree
                 req.body["cache_salt"] = cache_salt(tenant.namespace, req.body.get("cache_salt"))
             await self._measure(req)
