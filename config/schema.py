@@ -41,12 +41,14 @@ class _Strict(BaseModel):
 
 
 class Timeouts(_Strict):
-    """Upstream timeouts in seconds.
+    """Timeouts in seconds, upstream (engines) and of client connections.
 
     ``total_s`` is ``None`` by default: a steadily streaming answer is never cut;
     ``idle_s`` (gap between two complete SSE events; bytes that do not complete an
     event are no progress) and ``first_token_s`` catch a stuck engine.
     A non-streaming answer arrives in one piece, so it is bounded by ``non_stream_s``.
+    From clients: ``request_head_s`` bounds the request head, ``request_body_s`` the
+    body, ``keepalive_s`` an idle kept-alive connection.
     """
 
     connect_s: float = Field(5.0, gt=0)
@@ -55,6 +57,13 @@ class Timeouts(_Strict):
     total_s: float | None = Field(None, gt=0)
     non_stream_s: float = Field(600.0, gt=0)
     request_body_s: float = Field(30.0, gt=0, description="to receive the request body")
+    request_head_s: float = Field(
+        10.0, gt=0, description="to receive a request's head (request line and headers), "
+        "from the connection's opening or the first byte of a later request; then the "
+        "connection is closed")
+    keepalive_s: float = Field(
+        75.0, gt=0, description="an idle kept-alive client connection is closed after this "
+        "(nginx's keepalive_timeout default)")
 
 
 class LimitsConfig(_Strict):
