@@ -61,7 +61,10 @@ def fallback_tokenize(text: str) -> list[int]:
     Returns:
         Token ids in ``[0, FALLBACK_VOCAB_SIZE)``.
     """
-    return [_piece_id(p) for p in _PIECE.findall(text)]
+    # finditer, not findall: one findall over a megabyte prompt is a single C call that
+    # holds the GIL for its whole length, stalling the event loop even from a worker
+    # thread; iterating returns to the interpreter, which switches threads, per piece
+    return [_piece_id(m.group()) for m in _PIECE.finditer(text)]
 
 
 def chain_block_hashes(

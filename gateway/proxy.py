@@ -243,14 +243,14 @@ class EngineClient:
         return json.dumps(body, ensure_ascii=False).encode()
 
     async def _open(self, engine: Engine, req: InferenceRequest, headers: Mapping[str, str],
-                    priority: int | None) -> aiohttp.ClientResponse:
+                    data: bytes) -> aiohttp.ClientResponse:
         # llama-server drops the connection after a stream while announcing keep-alive:
         # a pooled connection would fail the next request (engines.kinds.llamacpp)
         close = req.stream and KINDS[engine.labels.get("dialect", "vllm")].close_after_stream
         try:
             resp = await self.session.post(
                 engine.base_url + PATHS[req.endpoint],
-                data=self._upstream_body(req, priority),
+                data=data,
                 headers={"Content-Type": "application/json",
                          **({"Connection": "close"} if close else {}), **headers},
                 timeout=self._client_timeout,
@@ -293,10 +293,12 @@ class EngineClient:
                 closed first, which makes vLLM abort it.
         """
         start = self.clock.now()
+        data = await asyncio.to_thread(self._upstream_body, req, priority) if req.large \
+            else self._upstream_body(req, priority)
         try:
             async with asyncio.timeout(self.timeouts.first_token_s if req.stream
                                        else self.timeouts.non_stream_s):
-                resp = await self._open(engine, req, upstream_headers, priority)
+                resp = await self._open(engine, req, upstream_headers, data)
                 if not req.stream:
                     raw = await resp.read()
         except TimeoutError:
