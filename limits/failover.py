@@ -15,7 +15,8 @@ accepted write (one info log). State built up in the fallback is not copied back
 leases held there are still released there.
 
 Releases of leases granted *by Redis* that could not reach it (Redis down, or the
-release itself failed) wait in a pending-release journal, bounded by
+release itself failed), and of acquires that failed (a paused Redis runs a command
+that timed out when it resumes), wait in a pending-release journal, bounded by
 ``max_pending_releases`` (``LimitsConfig.max_pending_releases``; past it the oldest
 entry is dropped, with one warning per outage, and that lease frees only when its
 ``lease_ttl_s`` expires). On recovery the journal is replayed (one pipelined
@@ -104,11 +105,14 @@ class FailoverStore:
         return await self.fallback.take(buckets)
 
     async def acquire(self, key: str, lease_id: str, limit: int, ttl_s: float) -> bool:
+        tried = self.healthy
         ok, granted = await self._try(lambda: self.primary.acquire(key, lease_id, limit, ttl_s))
         if ok:
             if granted:
                 self._in_redis.add((key, lease_id))
             return granted
+        if tried:  # it timed out: a paused Redis may still run it when it resumes
+            self._journal((key, lease_id))
         self._refuse_if_closed()
         return await self.fallback.acquire(key, lease_id, limit, ttl_s)
 

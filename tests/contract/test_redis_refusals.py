@@ -165,3 +165,25 @@ async def test_pending_releases_are_bounded(redis_url: str, redis_server: RedisS
         assert b"l2" not in admin.zrange(LEASES, 0, -1)
     finally:
         await store.close()
+
+
+async def test_an_acquire_that_timed_out_is_undone_when_redis_resumes(
+        redis_url: str, redis_server: RedisServer, admin: redis.Redis) -> None:
+    """A paused Redis runs the acquire that timed out once it continues: that lease
+    (the request holds its slot locally) is removed on recovery, not left 600 s."""
+    store = open_store(redis_url, failure="open", timeout_s=0.2)
+    assert isinstance(store, FailoverStore)
+    assert redis_server.proc is not None
+    try:
+        assert await store.acquire(LEASES, "early", 5, 60)  # script loaded, connected
+        await store.release(LEASES, "early")
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert await store.acquire(LEASES, "late", 5, 60)  # locally
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        await wait_healthy(store)
+        assert admin.zcard(LEASES) == 0
+        await store.release(LEASES, "late")
+    finally:
+        await store.close()

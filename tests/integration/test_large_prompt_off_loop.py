@@ -16,7 +16,7 @@ from tests.integration.limits_support import auth, tenant
 #: the stream's largest gap between two chunks while the huge prompt is handled, s;
 #: on the event loop the fallback tokenizer and block hashes take ~1.6 s for 6 MB
 MAX_GAP_S = 0.5
-WORDS = "the river runs down to the sea past old mills and quiet towns".split()
+WORDS = ["the", "river", "runs", "down", "to", "the", "sea", "past", "old", "mills", "and", "quiet", "towns"]
 
 
 @pytest.mark.load
