@@ -171,6 +171,9 @@ class GatewayConfig(_Strict):
         "~0.3 µs per byte: 16 KiB ≈ 5 ms of loop time; 0: always)")
     max_event_bytes: int = Field(
         1024 * 1024, ge=1024, description="longest streamed SSE event from an engine, bytes")
+    max_response_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="longest non-streamed answer from an engine, "
+        "bytes; a longer one is a 502 (n × max_tokens of text with logprobs fits easily)")
     timeouts: Timeouts = Timeouts()
     limits: LimitsConfig = LimitsConfig()
     queue: QueueConfig = QueueConfig()

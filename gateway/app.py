@@ -296,7 +296,8 @@ async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
     app[DIRECTOR] = Director(
         cfg=cfg, pool=pool, scheduler=app[SCHEDULER],
         client=EngineClient(session=app[SESSION], timeouts=cfg.gateway.timeouts,
-                            max_event_bytes=cfg.gateway.max_event_bytes, clock=app[CLOCK]),
+                            max_event_bytes=cfg.gateway.max_event_bytes, clock=app[CLOCK],
+                            max_response_bytes=cfg.gateway.max_response_bytes),
         limiter=app[LIMITER], queues=queues,
         detector=SaturationDetector.from_config(cfg.engines), cache=cache,
         clock=app[CLOCK], spans=app[SPANS])

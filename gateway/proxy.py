@@ -61,6 +61,26 @@ class _RelayResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
+#: Bytes of an engine's error answer read for its message; the rest is dropped.
+ERROR_BODY_BYTES = 64 * 1024
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """At most ``limit`` bytes of ``resp``'s body and whether that is all of it (a
+    longer body is not read further; the caller closes the response).
+
+    Raises:
+        aiohttp.ClientError: the connection failed while reading."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return b"", False
+    buf = bytearray()
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            return bytes(buf[:limit]), False
+    return bytes(buf), True
+
+
 class UpstreamFailed(Exception):
     """The engine could not answer before any byte reached the client, so another
     engine may be tried (``retryable``) or the error is final.
@@ -216,13 +236,16 @@ class EngineClient:
         session: the shared client session (not closed here).
         timeouts: connect, first-token, idle and total limits, s.
         max_event_bytes: longest stream event relayed, bytes.
+        max_response_bytes: longest non-streamed answer relayed, bytes.
         clock: measures TTFT, s (the app's clock). The timeouts are the event loop's
             timers (``asyncio.timeout``), so their deadlines are in ``loop.time()``.
     """
 
     def __init__(self, session: aiohttp.ClientSession, timeouts: Timeouts,
-                 max_event_bytes: int, clock: Clock) -> None:
+                 max_event_bytes: int, clock: Clock,
+                 max_response_bytes: int = 64 * 1024 * 1024) -> None:
         self.session = session
+        self.max_response_bytes = max_response_bytes
         self.clock = clock
         self.timeouts = timeouts
         self.max_event_bytes = max_event_bytes
@@ -269,10 +292,13 @@ class EngineClient:
                                  retryable=True)
         if resp.status >= 400:
             try:
-                raw = await resp.read()
+                raw, whole = await read_capped(resp, ERROR_BODY_BYTES)
             except aiohttp.ClientError:
-                raw = b""
-            resp.release()
+                raw, whole = b"", False
+            if whole:
+                resp.release()
+            else:
+                resp.close()
             raise engine_error(engine.id, resp.status, resp.headers, raw)
         return resp
 
@@ -300,7 +326,19 @@ class EngineClient:
                                        else self.timeouts.non_stream_s):
                 resp = await self._open(engine, req, upstream_headers, data)
                 if not req.stream:
-                    raw = await resp.read()
+                    raw, whole = await read_capped(resp, self.max_response_bytes)
+                    if whole:
+                        resp.release()  # the connection goes back to the pool
+                    else:
+                        resp.close()
+                        raise UpstreamFailed(
+                            Outcome.UPSTREAM_ERROR,
+                            f"engine {engine.id}'s answer exceeds max_response_bytes",
+                            retryable=False, final=Rejected(
+                                Outcome.UPSTREAM_ERROR,
+                                "The engine's answer is longer than the gateway relays "
+                                f"({self.max_response_bytes} bytes); ask for fewer tokens "
+                                "or stream it."))
         except TimeoutError:
             raise UpstreamFailed(Outcome.UPSTREAM_TIMEOUT,
                                  f"engine {engine.id} did not answer in time",
