@@ -48,7 +48,8 @@ class Timeouts(_Strict):
     event are no progress) and ``first_token_s`` catch a stuck engine.
     A non-streaming answer arrives in one piece, so it is bounded by ``non_stream_s``.
     From clients: ``request_head_s`` bounds the request head, ``request_body_s`` the
-    body, ``keepalive_s`` an idle kept-alive connection.
+    body, ``client_write_s`` each write of a streamed answer (a client that stops
+    reading), ``keepalive_s`` an idle kept-alive connection.
     """
 
     connect_s: float = Field(5.0, gt=0)
@@ -61,6 +62,9 @@ class Timeouts(_Strict):
         10.0, gt=0, description="to receive a request's head (request line and headers), "
         "from the connection's opening or the first byte of a later request; then the "
         "connection is closed")
+    client_write_s: float = Field(
+        60.0, gt=0, description="a streamed answer's write that the client does not take "
+        "within this long ends the request as a client disconnect (its slot is freed)")
     keepalive_s: float = Field(
         75.0, gt=0, description="an idle kept-alive client connection is closed after this "
         "(nginx's keepalive_timeout default)")

@@ -26,7 +26,7 @@ import email.utils
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,9 +56,33 @@ SSE_HEADERS = {
 class _RelayResponse(web.StreamResponse):
     """A stream response whose headers go out with its first body write (one send
     instead of two; the bytes on the wire are the same). ``prepare`` is only called
-    right before that first write, so nothing is held back."""
+    right before that first write, so nothing is held back.
+
+    Each write must be taken by the client within ``write_timeout_s``
+    (``timeouts.client_write_s``): a client that stops reading would otherwise hold
+    the write, the engine slot and the tenant's concurrency slot forever. Past it the
+    connection is aborted and the write raises :class:`ConnectionResetError` (a client
+    disconnect)."""
 
     _send_headers_immediately = False
+    write_timeout_s: float | None = None
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        await self._bounded(super().write(data))
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await self._bounded(super().write_eof(data))
+
+    async def _bounded(self, write: Awaitable[None]) -> None:
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await write
+        except TimeoutError:
+            request = self._req
+            if request is not None and request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError(
+                f"the client took no data for {self.write_timeout_s:g} s") from None
 
 
 #: Bytes of an engine's error answer read for its message; the rest is dropped.
@@ -384,6 +408,7 @@ class EngineClient:
         summary = StreamSummary(chat=req.endpoint == "chat")
         ttft: float | None = None
         out = _RelayResponse(status=200, headers={**SSE_HEADERS, **headers})
+        out.write_timeout_s = t.client_write_s
         outcome = Outcome.OK
         message: str | None = None
         prepared = False
