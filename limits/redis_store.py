@@ -140,6 +140,7 @@ class RedisStore:
     def __init__(self, client: aioredis.Redis) -> None:
         self._client = client
         self.failovers = 0  # it raises StoreUnavailable; FailoverStore counts the outages
+        self.pending_releases = 0  # and keeps the releases that could not land
         self._take = client.register_script(_TAKE)
         self._adjust = client.register_script(_ADJUST)
         self._acquire = client.register_script(_ACQUIRE)

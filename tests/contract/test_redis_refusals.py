@@ -136,7 +136,7 @@ async def test_releases_during_an_outage_reach_redis_when_it_returns(
             redis_server.proc.send_signal(signal.SIGCONT)
         await wait_healthy(store)
         assert admin.zcard(LEASES) == 0
-        assert store.pending_releases == 0
+        assert store.pending_releases == 0  # sluice_limits_pending_releases
         async with await limiter.reserve(tenant, 0, request_id="r3"), \
                 await limiter.reserve(tenant, 0, request_id="r4"):
             assert admin.zcard(LEASES) == 2  # both slots, from Redis
