@@ -31,6 +31,7 @@ for state the fallback never saw.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -111,7 +112,7 @@ class FailoverStore:
             if granted:
                 self._in_redis.add((key, lease_id))
             return granted
-        if tried:  # it timed out: a paused Redis may still run it when it resumes
+        if tried:  # if it timed out, a paused Redis still runs it when it resumes
             self._journal((key, lease_id))
         self._refuse_if_closed()
         return await self.fallback.acquire(key, lease_id, limit, ttl_s)
@@ -148,7 +149,7 @@ class FailoverStore:
         Raises:
             StoreUnavailable: Redis refused or did not answer."""
         while self._pending:
-            batch = list(self._pending)[:1000]
+            batch = list(itertools.islice(self._pending, 1000))
             await self.primary.release_many(batch)
             for lease in batch:
                 self._pending.pop(lease, None)
