@@ -19,14 +19,21 @@ Not thread-safe: the semantic cache calls it from one dedicated worker thread.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-import faiss
-import numpy as np
+# faiss's loader tries its AVX512/AVX2 builds first and logs each missing one at INFO
+# with the ModuleNotFoundError (it reads like a traceback); the PyPI wheel here has
+# only the generic build, which it then loads. Harmless: its failures stay visible
+# (WARNING and above).
+logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+
+import faiss  # noqa: E402
+import numpy as np  # noqa: E402
 
 T = TypeVar("T")
 

@@ -278,6 +278,9 @@ class TenantsConfig(_Strict):
 #: ``EngineSpec.tokenizer`` value naming the dependency-free tokenizer the simulator
 #: uses (``engines.blocks.FallbackEncoder``).
 FALLBACK_TOKENIZER = "fallback"
+#: ``model_path`` / ``tokenizer`` value naming the packaged model, Gemma 3 270M
+#: (``engines.prepare`` builds it); the only ``packaged:`` model there is.
+PACKAGED_GEMMA = "packaged:gemma3-270m"
 
 
 class KVEventsEndpointSpec(_Strict):
@@ -375,6 +378,13 @@ class EngineSpec(_Strict):
         if self.kind == "vllm" and self.model_path:
             return self.model_path
         return FALLBACK_TOKENIZER
+
+    @field_validator("model_path", "tokenizer")
+    @classmethod
+    def _packaged(cls, v: str | None) -> str | None:
+        if v is not None and v.startswith("packaged:") and v != PACKAGED_GEMMA:
+            raise ValueError(f"no packaged model {v!r}; the packaged model is {PACKAGED_GEMMA!r}")
+        return v
 
     @model_validator(mode="after")
     def _kind(self) -> EngineSpec:

@@ -33,7 +33,8 @@ class SchedRequest:
         blocks: chained hashes of the prompt's fixed-size token blocks (prefix
             affinity); empty when not computed.
         block_size: tokens per block of ``blocks`` (0 when unknown).
-        session_id: client conversation id (``x-session-id``), if any.
+        session_id: the conversation's key (:func:`engines.sessions.session_key` of the
+            tenant and its ``x-session-id``), if any.
         priority: ``interactive``, ``standard`` or ``batch``.
         prefix_matches: engine id → leading ``blocks`` the prefix index says that
             engine holds. Filled by :meth:`Scheduler.pick

@@ -122,7 +122,7 @@ def seq_bytes(seq: int) -> bytes:
 @dataclass(frozen=True)
 class EventsEndpoint:
     """Where one engine publishes: ``endpoint`` (the PUB socket, as a subscriber
-    connects to it: ``tcp://host:port``), ``replay`` (its ROUTER socket, or None),
+    connects to it: ``tcp://host:port`` or ``ipc://path``), ``replay`` (its ROUTER socket, or None),
     ``topic`` (frames of other topics are ignored; "" takes all)."""
 
     endpoint: str

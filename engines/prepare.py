@@ -32,8 +32,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-#: ``model_path`` value in ``engines.yaml`` that names the packaged model.
-PACKAGED_GEMMA = "packaged:gemma3-270m"
+from config.schema import PACKAGED_GEMMA
+
 #: Folder name of the prepared model inside the cache directory.
 MODEL_DIRNAME = "gemma3-270m"
 #: Written last inside a finished folder; bump ``RECIPE_VERSION`` to force a rebuild.

@@ -4,8 +4,19 @@ sent to, so its next turn can go there too (docs/architecture.md, "Engines")."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from hashlib import blake2b
 
 from engines.pool import Engine
+
+
+def session_key(tenant: str, session_id: str | None) -> str | None:
+    """The table's key for a tenant's ``x-session-id``: 32 hex characters (BLAKE2b,
+    16 bytes) of the tenant and the id, so an entry's size does not depend on what the
+    client sends (a header may be 8 KiB) and two tenants' equal ids are two sessions.
+    None when the client sent no id."""
+    if not session_id:
+        return None
+    return blake2b(f"{tenant}\0{session_id}".encode(), digest_size=16).hexdigest()
 
 
 class SessionTable:

@@ -14,8 +14,10 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping
+from hashlib import blake2b
 from pathlib import Path
 
 import aiohttp
@@ -56,23 +58,32 @@ REPLAY_BUFFER_STEPS = 1000
 KV_EVENT_KINDS = frozenset({"vllm", "sim"})
 
 
-def kv_events_flag(engine_id: str, host: str, taken: set[int]) -> tuple[EventsEndpoint, list[str]]:
-    """vLLM's ``--kv-events-config`` for a launched engine on ``host``: a PUB and a
-    replay port, free and not in ``taken`` (both added to it), topic ``kv@<id>``.
-    The PUB endpoint is ``tcp://*:port`` because vLLM binds only wildcard TCP
-    endpoints (``ZmqEventPublisher._is_bind_endpoint``) and connects to the rest.
-    Returns the endpoint the gateway subscribes to and the flag's two arguments."""
-    pub = choose_port(host, None, taken)
-    taken.add(pub)
-    replay = choose_port(host, None, taken)
-    taken.add(replay)
-    at = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+def private_socket_dir() -> Path:
+    """A new folder only this user may enter (mode 0700, :func:`tempfile.mkdtemp`)
+    for the engines' KV-event sockets, in the temporary folder (``$TMPDIR``, else
+    ``/tmp``): a Unix socket path must stay under 108 bytes."""
+    return Path(tempfile.mkdtemp(prefix="sluice-kv-"))
+
+
+def kv_events_flag(engine_id: str, sock_dir: Path) -> tuple[EventsEndpoint, list[str]]:
+    """vLLM's ``--kv-events-config`` for a launched engine: its PUB and replay sockets
+    are ``ipc://`` files in ``sock_dir`` (a private folder,
+    :func:`private_socket_dir`), topic ``kv@<id>``.
+
+    Why not TCP: the events carry every stored block's token ids, i.e. the tenants'
+    prompts, and vLLM's publisher binds a PUB endpoint only when it is a wildcard
+    (``tcp://*:port``, every interface, no authentication) or ``ipc://``
+    (``ZmqEventPublisher._is_bind_endpoint``; it *connects to* any other TCP
+    address). An ``ipc://`` socket in a 0700 folder is reachable by this user alone
+    and never by the network. Returns the endpoint the gateway subscribes to (the same
+    ``ipc://`` paths) and the flag's two arguments."""
+    stem = sock_dir / blake2b(engine_id.encode(), digest_size=6).hexdigest()
+    pub, replay = f"ipc://{stem}.pub", f"ipc://{stem}.replay"
     topic = f"kv@{engine_id}"
     flag = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                       "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://{at}:{replay}",
+                       "endpoint": pub, "replay_endpoint": replay,
                        "buffer_steps": REPLAY_BUFFER_STEPS, "topic": topic})
-    endpoint = EventsEndpoint(f"tcp://{at}:{pub}", f"tcp://{at}:{replay}", topic)
-    return endpoint, ["--kv-events-config", flag]
+    return EventsEndpoint(pub, replay, topic), ["--kv-events-config", flag]
 
 
 async def wait_for(pool: EnginePool, predicate: Callable[[], bool], timeout_s: float) -> bool:
@@ -150,6 +161,7 @@ class Supervisor:
         self._retiring: dict[str, asyncio.Task] = {}  # spec name -> drain, then relaunch
         self._taken: set[int] = set()  # ports in use or reserved
         self._ports: dict[EngineRunner, set[int]] = {}  # the ports each one took
+        self._sock_dir: Path | None = None  # private folder of the KV-event sockets
         self._started = self._stopped = False
 
     @property
@@ -232,7 +244,9 @@ class Supervisor:
             if addresses:
                 engine.kv_events = addresses[engine_id].kv_events
             elif events and spec.kind in KV_EVENT_KINDS:
-                engine.kv_events, extra = kv_events_flag(engine_id, spec.host, self._taken)
+                if self._sock_dir is None:
+                    self._sock_dir = private_socket_dir()
+                engine.kv_events, extra = kv_events_flag(engine_id, self._sock_dir)
             elif events and spec.kv_events is not None:
                 ev = spec.kv_events
                 engine.kv_events = EventsEndpoint(ev.endpoint, ev.replay_endpoint, ev.topic)
@@ -358,10 +372,24 @@ class Supervisor:
             return
         await _cancel([self._tasks[r][0] for r in runners])
         engines = [r.engine for r in runners]
-        if not await wait_for(self.pool, lambda: all(e.in_flight <= 0 for e in engines),
-                              grace_s):
+        # With other workers (an address file), they route to the launched engines
+        # too: their requests count only in the engine's own report, scraped after the
+        # drain began (every worker marked the engine draining on the same reload).
+        shared = {r.engine.id for r in runners if r.command is not None and self.address_file}
+        since = self.clock.now()
+
+        def drained(e: Engine) -> bool:
+            if e.in_flight > 0:
+                return False
+            if e.id not in shared:
+                return True
+            m = e.metrics
+            return m is not None and m.at > since and m.num_running + m.num_waiting == 0
+
+        if not await wait_for(self.pool, lambda: all(drained(e) for e in engines), grace_s):
             log.warning("drain grace %.1fs over; stopping with requests in flight: %s",
-                        grace_s, {e.id: e.in_flight for e in engines if e.in_flight > 0})
+                        grace_s, {e.id: e.in_flight or e.metrics and e.metrics.num_running
+                                  for e in engines if not drained(e)})
         await asyncio.gather(*(r.stop_process(self.cfg.supervisor.stop_grace_s)
                                for r in runners))
         for runner in runners:
@@ -415,6 +443,8 @@ class Supervisor:
         for engine in self.engines:
             self.pool.set_state(engine, EngineState.STOPPED)
         await _cancel([poll for _, poll in self._tasks.values()])
+        if self._sock_dir is not None:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
 
 
 async def _cancel(tasks: list[asyncio.Task]) -> None:

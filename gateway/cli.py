@@ -62,6 +62,9 @@ async def _serve(cfg: Config, host: str, port: int, worker: WorkerRole | None) -
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # SIGHUP means reload (gateway.reload installs its handler once the app runs);
+    # one that arrives while starting must not end the process (the default action)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     orphaned = asyncio.create_task(watch_parent(worker, stop)) if worker else None
     await runner.setup()
     # Start-up built a large, long-lived object graph (the embedding model, tokenizers,
@@ -95,6 +98,11 @@ def _load(args: argparse.Namespace) -> Config:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # The gateway runs torch only for the CPU embedding model, never a GPU kernel, but
+    # torch._dynamo imports Triton when it is installed (vLLM brings it), and Triton's
+    # nanobind bindings print "nanobind: leaked ..." (~600 lines) when the interpreter
+    # exits. Not importing it removes that, and its start-up cost.
+    sys.modules.setdefault("triton", None)  # type: ignore[arg-type]
     try:
         cfg = _load(args)
     except ConfigError as e:

@@ -25,6 +25,7 @@ from engines.kinds import accepts_cache_salt
 from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, PromptInput, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
+from engines.sessions import session_key
 from gateway.capacity import CapacityReport
 from gateway.disagg import Disaggregator, PrefillLeg
 from gateway.keys import RECORD, TENANT
@@ -285,7 +286,7 @@ class Director:
         sched = SchedRequest(model=req.model, tenant=tenant.name,
                              prompt_tokens=req.prompt_tokens, priority=tenant.priority,
                              blocks=req.blocks, block_size=self.prompts.block_size(req.model),
-                             session_id=request.headers.get("x-session-id") or None)
+                             session_id=session_key(tenant.name, request.headers.get("x-session-id")))
         return Need(sched, tenant.priority, self._kv_tokens(req), arrived=arrived,
                     splittable=req.sequences == 1,
                     output_tokens=self._output_cap(req))
@@ -338,8 +339,9 @@ class Director:
         rec.inference, rec.priority = True, tenant.priority
         try:
             req = await self._parse(endpoint, await self._read_body(request))
-            rec.model, rec.stream = req.model, req.stream
+            rec.stream = req.stream
             self._check_model(tenant, req)
+            rec.model = req.model  # a configured one: the client's name never becomes a label
             self._check_sequences(tenant, req)
             if req.model in self._salted:  # before the cache key: lookup and store agree
                 req.body["cache_salt"] = cache_salt(tenant.namespace, req.body.get("cache_salt"))

@@ -29,7 +29,7 @@ from limits.outcome import Outcome, Rejected
 
 log = logging.getLogger("sluice.gateway")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
 
 _HTTP_OUTCOMES = {
     404: (Outcome.NOT_FOUND, "Unknown path."),
@@ -46,12 +46,38 @@ _ID_COUNTER = itertools.count(secrets.randbits(32))
 
 
 def request_id_of(request: web.Request) -> str:
-    """The client's ``x-request-id`` when it is safe to echo (1–64 characters of
-    ``A-Za-z0-9._:-``), else a generated one (32 hex characters)."""
-    given = request.headers.get("x-request-id")
-    if given and _SAFE_ID.match(given):
-        return given
+    """A new id for this request (32 hex characters): the gateway's own, never the
+    client's, so one id names one request even when clients reuse or forge
+    ``x-request-id`` (what the client sent is :func:`client_request_id`)."""
     return f"{_ID_PREFIX}{next(_ID_COUNTER) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+#: At most this many characters of a client's ``x-request-id`` are recorded.
+CLIENT_ID_MAX_CHARS = 64
+
+
+def client_request_id(request: web.Request) -> str | None:
+    """The client's ``x-request-id``, bounded for the access log: its first
+    :data:`CLIENT_ID_MAX_CHARS` characters, each outside ``A-Za-z0-9._:-`` replaced
+    by ``_``; None when absent or empty."""
+    given = request.headers.get("x-request-id")
+    if not given:
+        return None
+    return _UNSAFE_ID_CHARS.sub("_", given[:CLIENT_ID_MAX_CHARS])
+
+
+#: HTTP methods named in span names as they are; any other is ``_OTHER`` (the
+#: OpenTelemetry HTTP semantic conventions, ``http.request.method``).
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS",
+                      "TRACE", "PATCH"})
+
+
+def route_of(request: web.Request) -> str:
+    """The path of the app's route that matched ``request`` (its template, e.g.
+    ``/v1/chat/completions``), or ``unmatched``: never the client's path, so a record,
+    span name or label built from it takes one of the route table's values."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
 
 
 def _error(request: web.Request, exc: BaseException, rid: str) -> web.Response:
@@ -74,13 +100,15 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     rid = request_id_of(request)
     request[REQUEST_ID] = rid
     clock = request.app[CLOCK]
-    rec = RequestRecord(request_id=rid, path=request.path, started=clock.now())
+    rec = RequestRecord(request_id=rid, path=route_of(request), started=clock.now(),
+                        client_request_id=client_request_id(request))
     request[RECORD] = rec
     if not request.path.startswith("/v1/"):
         return await _run(request, handler, rec)
     spans = request.app[SPANS]
     parent = PROPAGATOR.extract(request.headers) if spans.enabled else None
-    with spans(f"{request.method} {request.path}", context=parent, kind=SpanKind.SERVER) as span:
+    method = request.method if request.method in _METHODS else "_OTHER"
+    with spans(f"{method} {rec.path}", context=parent, kind=SpanKind.SERVER) as span:
         try:
             return await _run(request, handler, rec)
         finally:

@@ -23,9 +23,16 @@ class RequestRecord:
     ``reserved_output_tokens`` is the output part of the tokens/min reservation
     (tokens; None when nothing was reserved, e.g. a cache hit); ``prefill_s`` is a
     split request's prefill leg (s, included in ``ttft_s``); ``predicted_ttft_s`` the
-    adaptive admission's TTFT̂ at send time."""
+    adaptive admission's TTFT̂ at send time.
+
+    Nothing a client controls is kept unbounded: ``request_id`` is the gateway's
+    own; ``client_request_id`` the client's ``x-request-id``, cut and sanitised
+    (:func:`gateway.middlewares.client_request_id`); ``path`` the matched route's
+    template or ``unmatched`` (:func:`gateway.middlewares.route_of`); ``model`` a
+    configured model the tenant may use, None until the request named one."""
 
     request_id: str
+    client_request_id: str | None = None
     path: str = ""
     tenant: str = UNKNOWN
     priority: str = "standard"

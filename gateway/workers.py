@@ -17,7 +17,8 @@ route" entries (until the engine's events confirm them), the sticky-session tabl
 the adaptive latency models, the semantic cache's vectors, ``/metrics``
 (``metrics_listen`` port + worker index).
 
-Lifecycle: SIGINT/SIGTERM to the parent stops workers 1…N-1 first (each drains its
+Lifecycle: SIGHUP to the parent is passed to every worker (each reloads its files).
+SIGINT/SIGTERM to the parent stops workers 1…N-1 first (each drains its
 requests), then worker 0 (drains, then stops the engines). A worker that exits on its
 own stops the whole group the same way and the parent exits with status 1 — restart
 it with the process manager that started ``sluice serve``. A worker whose parent is
@@ -127,9 +128,18 @@ def run_workers(cfg: Config, serve_args: list[str], workers: int, *,
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def reload(*_: object) -> None:
+        """SIGHUP: every worker reloads its files (without this handler SIGHUP's
+        default action would end the parent, and with it the group)."""
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGHUP)
+
+    signal.signal(signal.SIGHUP, reload)
     run_dir = Path(tempfile.mkdtemp(prefix="sluice-workers-"))
     address_file = run_dir / "engines.json"
-    procs: list[subprocess.Popen[bytes]] = []
 
     def spawn(index: int) -> None:
         argv = [sys.executable, "-m", "gateway.cli", "serve", *serve_args,

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -579,20 +580,21 @@ def _replicas(folder: Path, gateways: int, sim_args: list[str],
     the engines as ``kind: external`` with their ``kv_events`` and the Redis as
     ``limits.store_url``, and run that many ``sluice serve`` on the folder. Yields the
     gateways' and the engines' base URLs; stops them all on exit."""
-    from engines.supervisor import kv_events_flag
+    from engines.supervisor import kv_events_flag, private_socket_dir
 
     engines_yaml = yaml.safe_load((folder / "engines.yaml").read_text(encoding="utf-8"))
     gateway_yaml = yaml.safe_load((folder / "gateway.yaml").read_text(encoding="utf-8"))
     (spec,) = engines_yaml["engines"]
-    taken: set[int] = set()
+    sock_dir = private_socket_dir()
     with ExitStack() as stack:
+        stack.callback(shutil.rmtree, sock_dir, True)
         redis = RedisServer()
         redis.start()
         stack.callback(redis.stop)
         externals, engine_urls = [], []
         for i in range(spec["replicas"]):
             name, port = f"{spec['name']}-{i}", free_port()
-            endpoint, flag = kv_events_flag(name, "127.0.0.1", taken)
+            endpoint, flag = kv_events_flag(name, sock_dir)
             log = stack.enter_context(open(folder / f"{name}.log", "wb"))
             proc = subprocess.Popen(
                 [sys.executable, "-m", "loadtest.sim_engine", "--host", "127.0.0.1",

@@ -27,7 +27,8 @@ from tests.integration.limits_support import (
 )
 from tests.support import scrape, wait_for
 
-# load: closed-loop traffic until the latency models are learned
+# Closed-loop clients against simulators on the wall clock, until the learned limits
+# show: ``load``.
 pytestmark = [pytest.mark.timeout(240), pytest.mark.load]
 
 SLOW, FAST = 1.0, 2.0  # simulator speed factors
@@ -191,20 +192,27 @@ async def test_learned_limits_order_with_speed_fall_when_slowed_and_priority_is_
             await asyncio.gather(*workers, return_exceptions=True)
 
         # with no load, a few batch requests (under load the batch band may have
-        # yielded the fast engine's places to the interactive one throughout)
-        async def bulk(i: int) -> int:
+        # yielded the fast engine's places to the interactive one throughout). "No
+        # load" is the event to wait for: the cancelled clients' requests are still in
+        # flight until their aborts reach the gateway, and while the fast engine holds
+        # them a batch request yields to the interactive band there too.
+        await wait_for(idle, 30, "the cancelled requests to leave the engines")
+
+        async def bulk(i: int) -> tuple[int, str]:
             async with session.post(gateway.url + "/v1/chat/completions",
                                     json=chat(f"probe {i}", 4), headers=auth("bulk")) as r:
                 await r.read()
-                return r.status
+                return r.status, r.headers.get("x-sluice-engine", "")
 
-        assert await asyncio.gather(*(bulk(i) for i in range(4))) == [200] * 4
+        probes = await asyncio.gather(*(bulk(i) for i in range(4)))
+        assert [status for status, _ in probes] == [200] * 4, probes
         # the band went to the priority-scheduling engine (batch = 2, interactive = 0)
         # and never to the other, which would have answered 400
         slow_m = await scrape(session, urls[SLOW])
         fast_m = await scrape(session, urls[FAST])
         prio = "sim:requests_by_priority_total{{priority=\"{}\"}}"
-        assert fast_m.get(prio.format(2), 0) > 0 and fast_m.get(prio.format(0), 0) > 0
+        assert fast_m.get(prio.format(2), 0) > 0 and fast_m.get(prio.format(0), 0) > 0, \
+            (probes, fast_m)
         assert slow_m.get(prio.format(0), 0) > 0
         assert not any(k.startswith("sim:requests_by_priority_total") and '"0"' not in k
                        for k in slow_m)

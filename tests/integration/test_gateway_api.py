@@ -156,7 +156,8 @@ async def test_client_credentials_and_hop_by_hop_headers_never_reach_engine(engi
     for h in ("authorization", "x-api-key", "cookie", "proxy-authorization", "keep-alive",
               "te", "upgrade"):
         assert h not in sent
-    assert fake.headers[-1]["x-request-id"] == "req-123"
+    # the engine gets the gateway's own id, not the client's (issue 39 item 14)
+    assert fake.headers[-1]["x-request-id"] == r.headers["x-request-id"] != "req-123"
 
 
 async def test_unknown_fields_pass_through_untouched(engines):

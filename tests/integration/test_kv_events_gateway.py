@@ -1,5 +1,5 @@
 """``scheduler.prefix.source: events`` end to end with launched simulated engines:
-the gateway gives each engine ``--kv-events-config`` with free ports, follows its
+the gateway gives each engine ``--kv-events-config`` with private ``ipc://`` sockets, follows its
 events, and a repeated prompt is scored from what the engine reported stored — the
 prediction in ``x-sluice-prefix-tokens`` equals the engine's ``cached_tokens``. A
 restarted engine's entries are cleared and rebuilt from the new process."""
@@ -50,7 +50,7 @@ async def test_repeated_prompt_is_scored_from_engine_events() -> None:
         for runner in sup.runners:  # the flag, with an endpoint per engine
             argv = runner.process.argv
             flag = json.loads(argv[argv.index("--kv-events-config") + 1])
-            assert flag["enable_kv_cache_events"] and flag["endpoint"].startswith("tcp://*:")
+            assert flag["enable_kv_cache_events"] and flag["endpoint"].startswith("ipc://")
             assert runner.engine.kv_events.replay == flag["replay_endpoint"]
         index = gw.app[SCHEDULER].index
         await wait_for(lambda: all(index.synced(e) for e in gw.pool.engines), 10)

@@ -72,10 +72,15 @@ async def hold(session: aiohttp.ClientSession, url: str, model: str) -> aiohttp.
 async def test_ladder_caps_output_then_falls_back(gateway_url) -> None:
     url = gateway_url + "/v1/chat/completions"
     async with aiohttp.ClientSession() as s:
-        async def idle() -> bool:  # an earlier test's request may still hold the slot
-            return await in_flight(s, gateway_url, model="big") == 0
+        async def idle() -> bool:
+            """big can take a request now: no earlier test's request holds its only
+            slot (released after the answer's last byte) and its engine is ready
+            (not saturated, so the next request must not be degraded)."""
+            async with s.get(gateway_url + "/ready") as r:
+                ready = (await r.json())["engines"].get("big") == "ready"
+            return ready and await in_flight(s, gateway_url, model="big") == 0
 
-        await wait_for(idle, what="big's earlier requests to end", poll_s=0.05)
+        await wait_for(idle, 30, "big's earlier requests to end", poll_s=0.05)
         async with s.post(url, json=chat("hi", 50, model="big"), headers=auth("std")) as r:
             assert r.status == 200 and DEGRADED_HEADER not in r.headers  # not saturated
         busy = await hold(s, gateway_url, "big")
