@@ -88,6 +88,10 @@ TENANTS = [
     tenant_entry("bulk", priority="batch", max_concurrent=16, requests_per_min=100_000,
                  tokens_per_min=10_000_000, max_queue_wait_s=10),
 ]
+#: Wait after a Redis fault is undone, s: longer than the gateway's longest probe
+#: backoff (``limits.failover.FailoverStore.max_backoff_s``, 5 s), so the next Redis
+#: fault starts with the shared store back in use, not still failed over.
+REDIS_RECOVERY_S = 6.0
 WORDS = ["the", "river", "runs", "down", "to", "the", "sea", "past", "old", "mills", "and", "quiet", "towns"]
 
 
@@ -285,6 +289,7 @@ def make_faults(gw: RunningGateway, redis: RedisServer, cfg_dir: Path,
         redis.stop()
         await asyncio.sleep(hold_s)
         redis.start()
+        await asyncio.sleep(REDIS_RECOVERY_S)
 
     async def redis_readonly() -> None:
         client = aioredis.Redis.from_url(redis.url)
@@ -294,6 +299,7 @@ def make_faults(gw: RunningGateway, redis: RedisServer, cfg_dir: Path,
         finally:
             await client.replicaof("NO", "ONE")
             await client.aclose()
+        await asyncio.sleep(REDIS_RECOVERY_S)
 
     async def redis_paused() -> None:
         assert redis.proc is not None
@@ -302,6 +308,7 @@ def make_faults(gw: RunningGateway, redis: RedisServer, cfg_dir: Path,
             await asyncio.sleep(hold_s)
         finally:
             redis.proc.send_signal(signal.SIGCONT)
+        await asyncio.sleep(REDIS_RECOVERY_S)
 
     async def tenants_replace() -> None:
         doc = yaml.safe_load(original)
