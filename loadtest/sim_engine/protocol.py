@@ -72,14 +72,15 @@ class ParsedRequest:
     cache_salt: str | None
 
 
-def render_chat(messages: list[dict[str, Any]]) -> str:
-    """Render ``messages`` with the fixed Gemma-style template the gateway also uses
-    for ``kind: sim`` engines (:func:`engines.prompt.render_fallback_chat`), after
-    checking every content is a string or a list of parts. Equal leading messages
-    render to equal leading text, hence equal leading token blocks."""
+def render_chat(messages: list[dict[str, Any]], tools: Any = None) -> str:
+    """Render ``messages`` and ``tools`` (when a list) with the fixed Gemma-style
+    template the gateway also uses for ``kind: sim`` engines
+    (:func:`engines.prompt.render_fallback_chat`), after checking every content is a
+    string or a list of parts. Equal leading messages render to equal leading text,
+    hence equal leading token blocks."""
     for m in messages:
         _text(m.get("content"))
-    return render_fallback_chat(messages)
+    return render_fallback_chat(messages, tools if isinstance(tools, list) else None)
 
 
 def _text(content: Any) -> str:
@@ -150,8 +151,8 @@ def parse_chat(body: Any, served_model: str) -> ParsedRequest:
                        for m in messages)):
         raise RequestError("messages must be a non-empty list of {role, content}",
                            param="messages")
-    return ParsedRequest(True, render_chat(messages), None, max_tokens, n, stream,
-                         include_usage, salt)
+    return ParsedRequest(True, render_chat(messages, body.get("tools")), None, max_tokens, n,
+                         stream, include_usage, salt)
 
 
 def parse_completion(body: Any, served_model: str) -> ParsedRequest:
