@@ -7,7 +7,8 @@ received. A chat answer may first stream ``reasoning`` (one word per
 ``reasoning_content`` delta; the JSON answer's ``message.reasoning_content``), and
 its ``reply`` words go in the delta field ``stream_field``: ``content``, or
 ``tool_calls`` (pieces of one call's ``function.arguments``, after a piece with its
-``id`` and name). ``mode`` selects a behaviour for the next requests:
+``id`` and name); every answer ends with ``finish_reason``. ``mode`` selects a
+behaviour for the next requests:
 
 * ``ok``: the answer ``reply`` (streamed one word per chunk, usage when asked).
 * ``split_utf8``: the stream's bytes are written in 3-byte pieces, so multi-byte
@@ -52,6 +53,7 @@ class FakeEngine:
     reasoning: str = ""
     stream_field: str = "content"
     die_at: int = 2
+    finish_reason: str = "stop"
     kv_usage: float = 0.1
     delay_s: float = 0.0
     status: int = 500
@@ -146,7 +148,8 @@ class FakeEngine:
 
     def _full(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
         text = "".join(self._words(body))
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "stop", "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason,
+                                  "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
             if self.reasoning:
@@ -178,7 +181,7 @@ class FakeEngine:
         for w in () if chat else self._words(body):
             out.append({**base, "choices": [{"index": 0, "text": w, "finish_reason": None}]})
         last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
-        out.append({**base, "choices": [{**last, "finish_reason": "stop"}]})
+        out.append({**base, "choices": [{**last, "finish_reason": self.finish_reason}]})
         if (body.get("stream_options") or {}).get("include_usage"):
             out.append({**base, "choices": [], "usage": self._usage(body)})
         return [b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n" for c in out] + [
