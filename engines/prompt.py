@@ -107,21 +107,28 @@ def media_parts(messages: Sequence[Mapping[str, Any]]) -> int:
                if isinstance(p, dict) and not isinstance(p.get("text"), str))
 
 
-def vllm_tool_calls(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """``messages`` as vLLM hands them to a chat template: an assistant turn's
-    ``tool_calls[].function.arguments`` decoded from its JSON string into an object
-    (malformed or non-object JSON, empty or missing: ``{}``), an empty ``tool_calls``
-    dropped (``_postprocess_messages`` in ``vllm/renderers/chat_utils.py``, 0.32).
-    Other messages are returned as they are; nothing is modified in place."""
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """``messages`` as vLLM hands them to a chat template, in what matters for tool
+    turns: a null ``content`` becomes "" (vLLM parses it as no parts,
+    ``_parse_chat_message_content``), an assistant turn's
+    ``tool_calls[].function.arguments`` are decoded from their JSON string into an
+    object (malformed or non-object JSON, empty or missing: ``{}``) and an empty
+    ``tool_calls`` is dropped (``_postprocess_messages``; both in
+    ``vllm/renderers/chat_utils.py``, 0.32). Nothing is modified in place."""
     out: list[Mapping[str, Any]] = []
     for m in messages:
         calls = m.get("tool_calls")
-        if m.get("role") != "assistant" or not isinstance(calls, list):
+        has_calls = m.get("role") == "assistant" and isinstance(calls, list)
+        if m.get("content", "") is not None and not has_calls:
             out.append(m)
             continue
-        m = {k: v for k, v in m.items() if k != "tool_calls"}
-        if calls:
+        m = dict(m)
+        if m.get("content", "") is None:
+            m["content"] = ""
+        if has_calls and calls:
             m["tool_calls"] = [_decoded_call(c) for c in calls]
+        elif has_calls:
+            del m["tool_calls"]
         out.append(m)
     return out
 
@@ -181,7 +188,7 @@ class HFEncoder:
 
     Tools and tool calls as vLLM renders them: ``tools`` passed to the template
     (``apply_chat_template(tools=…)``), assistant ``tool_calls`` with their
-    arguments decoded (:func:`vllm_tool_calls`). A template that does not read
+    arguments decoded (:func:`template_messages`). A template that does not read
     ``tools`` (no such variable) or ``tool_calls`` (not in its source) cannot render
     them; :meth:`left_out` gives their JSON text, which the prompt count adds.
 
@@ -239,6 +246,10 @@ class HFEncoder:
                 raise jinja2.exceptions.TemplateError(message)
 
             env.globals["raise_exception"] = raise_exception
+            # transformers' own filter (utils/chat_template_utils.py): Jinja's escapes HTML
+            env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, \
+                sort_keys=False: json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                                            separators=separators, sort_keys=sort_keys)
             self._template = env.from_string(source)
             self._renders_tools = "tools" in jinja2.meta.find_undeclared_variables(
                 env.parse(source))
@@ -261,7 +272,7 @@ class HFEncoder:
         self._load()
         if self._template is None:
             return render_fallback_chat(messages, tools)
-        return self._template.render(messages=vllm_tool_calls(messages),
+        return self._template.render(messages=template_messages(messages),
                                      tools=list(tools) if tools else None,
                                      add_generation_prompt=True, **self._special)
 
