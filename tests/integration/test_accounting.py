@@ -120,11 +120,12 @@ async def sim() -> AsyncIterator[str]:
     await runner.cleanup()
 
 
-def sim_config(url: str, **quota: Any) -> Config:
+def sim_config(url: str, cache: bool = False, **quota: Any) -> Config:
     """The gateway in front of ``url``, knowing its tokenizer (exact counts)."""
     spec = {"name": "s0", "model": SIM_MODEL, "kind": "external", "url": url,
             "tokenizer": "fallback"}
-    return Config(gateway=GatewayConfig.model_validate({"port": 0, "cache": {"enabled": False}}),
+    gateway = {"port": 0, "cache": {"enabled": cache, "semantic": {"enabled": False}}}
+    return Config(gateway=GatewayConfig.model_validate(gateway),
                   engines=EnginesConfig.model_validate({"engines": [spec],
                                                         "supervisor": FAST_SUPERVISOR}),
                   tenants=TenantsConfig.model_validate(tenants(**quota)))
@@ -262,3 +263,37 @@ async def test_the_services_own_refusals_are_refunded_their_requests(engines) ->
         assert await error_code(gw, chat(fake.model)) == (429, "rate_limit_exceeded")
         await gw.idle()
     assert [r.outcome for r in records].count(Outcome.QUEUE_TIMEOUT) == 3
+
+
+async def test_the_simulators_thinking_is_charged_and_replayed_from_the_cache(sim) -> None:
+    """A thinking chat (``chat_template_kwargs.enable_thinking``) on the simulator:
+    half its output comes as ``reasoning_content``; it is all charged, and the
+    cached answer replays both fields, as JSON and as a stream."""
+    body = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 8, "temperature": 0, "chat_template_kwargs": {"enable_thinking": True}}
+    records: list[RequestRecord] = []
+    async with started(sim_config(sim, cache=True), records) as gw:
+        r = await gw.post("/v1/chat/completions", {**body, "stream": True}, headers=AUTH)
+        streamed = fields_of(await r.read())
+        await gw.idle()
+        assert set(streamed) == {"reasoning_content", "content"}
+        status, out = await answer(gw, body)
+        assert status == 200 and out["choices"][0]["message"]["reasoning_content"] \
+            == streamed["reasoning_content"]
+        r = await gw.post("/v1/chat/completions", {**body, "stream": True}, headers=AUTH)
+        assert r.headers["x-sluice-cache"] == "hit-exact"
+        assert fields_of(await r.read()) == streamed
+        await gw.idle()
+    assert records[0].completion_tokens == 8 and records[1].cache == "hit-exact"
+
+
+def fields_of(raw: bytes) -> dict[str, str]:
+    """Every string field but ``role`` of a chat stream's deltas, concatenated."""
+    out: dict[str, str] = {}
+    for event in raw.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            for choice in json.loads(event[6:])["choices"]:
+                for key, value in (choice.get("delta") or {}).items():
+                    if isinstance(value, str) and key != "role":
+                        out[key] = out.get(key, "") + value
+    return out
