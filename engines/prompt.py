@@ -109,8 +109,10 @@ def media_parts(messages: Sequence[Mapping[str, Any]]) -> int:
 
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """``messages`` as vLLM hands them to a chat template, in what matters for tool
-    turns: a null ``content`` becomes "" (vLLM parses it as no parts,
-    ``_parse_chat_message_content``), an assistant turn's
+    and thinking turns: a null ``content`` becomes "" (vLLM parses it as no parts,
+    ``_parse_chat_message_content``), an assistant turn's ``reasoning`` (or the
+    deprecated ``reasoning_content``) is given under both names
+    (``ChatCompletionRequest._normalize_messages_before``, then the parser), its
     ``tool_calls[].function.arguments`` are decoded from their JSON string into an
     object (malformed or non-object JSON, empty or missing: ``{}``) and an empty
     ``tool_calls`` is dropped (``_postprocess_messages``; both in
@@ -118,13 +120,20 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str
     out: list[Mapping[str, Any]] = []
     for m in messages:
         calls = m.get("tool_calls")
-        has_calls = m.get("role") == "assistant" and isinstance(calls, list)
-        if m.get("content", "") is not None and not has_calls:
+        assistant = m.get("role") == "assistant"
+        has_calls = assistant and isinstance(calls, list)
+        reasoning = m.get("reasoning")
+        if reasoning is None:
+            reasoning = m.get("reasoning_content")
+        thought = assistant and reasoning is not None
+        if m.get("content", "") is not None and not has_calls and not thought:
             out.append(m)
             continue
         m = dict(m)
         if m.get("content", "") is None:
             m["content"] = ""
+        if thought:
+            m["reasoning"] = m["reasoning_content"] = reasoning
         if has_calls and calls:
             m["tool_calls"] = [_decoded_call(c) for c in calls]
         elif has_calls:

@@ -44,7 +44,8 @@ TOOL_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n# Tools\n{%- for tool in tools %}\n"
     "{{ tool | tojson }}{%- endfor %}<|im_end|>\n{% endif %}"
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
-    "{%- if message.content is string %}{{ message.content }}{% endif %}"
+    "{%- if message.reasoning_content %}<think>{{ message.reasoning_content }}</think>"
+    "{% endif %}{%- if message.content is string %}{{ message.content }}{% endif %}"
     "{%- for tc in message.tool_calls or [] %}<tool_call>{\"name\": \"{{ tc.function.name }}\", "
     "\"arguments\": {{ tc.function.arguments | tojson }}}</tool_call>{%- endfor %}"
     "<|im_end|>\n{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -175,3 +176,15 @@ async def test_a_template_that_fails_still_counts_everything() -> None:
     pb = PromptBlocks(cfg, EnginePool(), encoders={"m": Refusing()})
     m = await pb.measure("m", PromptInput(messages=CHAT, tools=TOOLS), None)
     assert m.tokens > 4000 and not m.exact and m.blocks == ()
+
+
+def test_a_thinking_turn_reaches_the_template_under_both_names(tool_model) -> None:
+    """vLLM hands an assistant turn's ``reasoning`` (or the deprecated
+    ``reasoning_content``) to the template as both fields: a template that renders
+    the thinking renders it, and the count holds it."""
+    enc = HFEncoder(tool_model)
+    for field in ("reasoning", "reasoning_content"):
+        turns = [CHAT[0], {"role": "assistant", "content": "4", field: WORDS}, CHAT[-1]]
+        assert f"<think>{WORDS}</think>" in enc.render_chat(turns)
+    assert template_messages([{"role": "user", "content": "x", "reasoning": "y"}])[0] \
+        == {"role": "user", "content": "x", "reasoning": "y"}  # assistant turns only
