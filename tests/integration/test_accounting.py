@@ -238,12 +238,18 @@ async def test_a_cut_stream_counts_tool_call_chunks(engines) -> None:
 # --------------------------------------------------------------------- item 6
 
 
-async def test_the_services_own_refusals_are_refunded_their_requests(engines) -> None:
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_the_services_own_refusals_are_refunded_their_requests(engines, store,
+                                                                     request) -> None:
     """``requests_per_min: 4``: one request runs, three get 503 from the gateway
     (no engine has room: each waits out ``max_queue_wait_s``, then
-    ``queue_timeout``); the client that obeys Retry-After is admitted, not 429."""
+    ``queue_timeout``); the client that obeys Retry-After is admitted, not 429. The
+    same with the counters in a real Redis (one request comes back every 15 s: the
+    test takes a few)."""
     (fake,) = await engines(1)
-    cfg = make_config([fake], tenants=tenants(requests_per_min=4, max_queue_wait_s=0.2))
+    url = "memory://" if store == "memory" else request.getfixturevalue("redis_url")
+    cfg = make_config([fake], tenants=tenants(requests_per_min=4, max_queue_wait_s=0.2),
+                      gateway={"limits": {"store_url": url}})
     records: list[RequestRecord] = []
     async with started(cfg, records) as gw:
         assert await error_code(gw, chat(fake.model)) == (200, None)
