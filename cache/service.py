@@ -41,9 +41,10 @@ class CacheRequest:
         namespace: the tenant's cache namespace (``TenantQuota.namespace``).
         tenant: the tenant's cache settings (``TenantQuota.cache``).
         endpoint: ``chat`` or ``completions``.
-        model: the model that answers (for :meth:`ResponseCache.store`: the model that
-            actually produced the answer, e.g. after a fallback).
-        body: the JSON body as sent to the engine; never modified.
+        model: the model that answers.
+        body: the JSON body as looked up (the client's, with the tenant's output cap
+            and ``cache_salt``); never modified. :meth:`ResponseCache.store` gets the
+            same request, so lookup and store compute one key.
         no_cache: ``Cache-Control: no-cache`` — skip the lookup.
         no_store: ``Cache-Control: no-store`` — do not keep the answer.
         large: the body is large (``gateway.offload_bytes``): its key is computed in

@@ -413,9 +413,22 @@ class DegradationConfig(_Strict):
     sheddable: list[Priority] = Field(default_factory=lambda: ["standard", "batch"])
 
 
+#: Tokens counted for each non-text content part (image, audio, file) when the
+#: model sets no ``media_part_tokens``: Gemma 3 encodes every image as 256 soft tokens
+#: (``mm_tokens_per_image: 256`` in its ``config.json``; Gemma 3 Technical Report,
+#: 2025, §2.1), OpenAI bills a low-detail image 85 tokens
+#: (platform.openai.com/docs/guides/images-vision). A floor: high-detail images,
+#: audio and files grow with their size, which the gateway does not decode.
+DEFAULT_MEDIA_PART_TOKENS = 256
+
+
 class ModelConfig(_Strict):
     name: str
     degradation: DegradationConfig = DegradationConfig()
+    media_part_tokens: int = Field(
+        DEFAULT_MEDIA_PART_TOKENS, ge=0, le=1_000_000,
+        description="prompt tokens counted for each non-text content part (image, "
+        "audio, file) of a chat: a floor, the gateway does not decode media")
 
 
 class PluginConfig(_Strict):

@@ -106,9 +106,16 @@ class PromptEncoder(Protocol):
 
     offload: bool
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Render ``messages`` with the model's chat template (generation prompt
-        added) and tokenize the text."""
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Any] | None = None) -> list[int]:
+        """Render ``messages`` (and ``tools``) with the model's chat template
+        (generation prompt added) and tokenize the text."""
+        ...
+
+    def left_out(self, messages: Sequence[Mapping[str, Any]],
+                 tools: Sequence[Any] | None) -> str:
+        """JSON text of the tools and assistant tool calls the chat template cannot
+        render ("" when it renders them); the prompt count adds its tokens."""
         ...
 
     def encode_text(self, text: str) -> list[int]:

@@ -37,7 +37,12 @@ from hashlib import blake2b
 from pathlib import Path
 from typing import Any
 
-from config.schema import FALLBACK_TOKENIZER, EnginesConfig, EngineSpec
+from config.schema import (
+    DEFAULT_MEDIA_PART_TOKENS,
+    FALLBACK_TOKENIZER,
+    EnginesConfig,
+    EngineSpec,
+)
 from engines.blocks import chain_block_hashes, fallback_tokenize
 from engines.interfaces import PromptEncoder
 from engines.pool import EnginePool
@@ -62,21 +67,93 @@ def content_text(content: Any) -> str:
     return ""
 
 
-def render_fallback_chat(messages: Sequence[Mapping[str, Any]]) -> str:
-    """Render ``messages`` with a fixed Gemma-style template: ``<bos>``, then per
-    message ``<start_of_turn>{role}\\n{text}<end_of_turn>\\n`` (``assistant`` is
-    written ``model``), then the generation prompt ``<start_of_turn>model\\n``.
+def json_text(value: Any) -> str:
+    """``value`` as compact JSON text (as a chat template's ``tojson`` writes tool
+    schemas); any JSON a request body held can be written."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def render_fallback_chat(messages: Sequence[Mapping[str, Any]],
+                         tools: Sequence[Any] | None = None) -> str:
+    """Render ``messages`` with a fixed Gemma-style template: ``<bos>``, the tool
+    definitions as a turn ``<start_of_turn>tools\\n{json}<end_of_turn>\\n`` when
+    ``tools`` is not empty, then per message ``<start_of_turn>{role}\\n{text}{tool
+    calls json}<end_of_turn>\\n`` (``assistant`` is written ``model``; an assistant
+    turn's ``tool_calls`` follow its text as JSON), then the generation prompt
+    ``<start_of_turn>model\\n``.
 
     The simulated engine renders chats with this function, so equal leading
     messages give equal leading text, hence equal leading token blocks, on both
-    sides.
+    sides; its prompt (and usage) includes the tools and tool calls, as a real
+    engine's template with tool support does.
     """
     parts = ["<bos>"]
+    if tools:
+        parts.append(f"<start_of_turn>tools\n{json_text(list(tools))}<end_of_turn>\n")
     for m in messages:
         role = "model" if m.get("role") == "assistant" else m.get("role")
-        parts.append(f"<start_of_turn>{role}\n{content_text(m.get('content'))}<end_of_turn>\n")
+        calls = m.get("tool_calls")
+        text = content_text(m.get("content")) + (json_text(calls) if calls else "")
+        parts.append(f"<start_of_turn>{role}\n{text}<end_of_turn>\n")
     parts.append("<start_of_turn>model\n")
     return "".join(parts)
+
+
+def media_parts(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Content parts that are not text (images, audio, files, video: a dict part
+    without a string ``text``), counted over every message."""
+    return sum(1 for m in messages if isinstance(m.get("content"), list)
+               for p in m["content"]
+               if isinstance(p, dict) and not isinstance(p.get("text"), str))
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """``messages`` as vLLM hands them to a chat template, in what matters for tool
+    and thinking turns: a null ``content`` becomes "" (vLLM parses it as no parts,
+    ``_parse_chat_message_content``), an assistant turn's ``reasoning`` (or the
+    deprecated ``reasoning_content``) is given under both names
+    (``ChatCompletionRequest._normalize_messages_before``, then the parser), its
+    ``tool_calls[].function.arguments`` are decoded from their JSON string into an
+    object (malformed or non-object JSON, empty or missing: ``{}``) and an empty
+    ``tool_calls`` is dropped (``_postprocess_messages``; both in
+    ``vllm/renderers/chat_utils.py``, 0.32). Nothing is modified in place."""
+    out: list[Mapping[str, Any]] = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        assistant = m.get("role") == "assistant"
+        has_calls = assistant and isinstance(calls, list)
+        reasoning = m.get("reasoning")
+        if reasoning is None:
+            reasoning = m.get("reasoning_content")
+        thought = assistant and reasoning is not None
+        if m.get("content", "") is not None and not has_calls and not thought:
+            out.append(m)
+            continue
+        m = dict(m)
+        if m.get("content", "") is None:
+            m["content"] = ""
+        if thought:
+            m["reasoning"] = m["reasoning_content"] = reasoning
+        if has_calls and calls:
+            m["tool_calls"] = [_decoded_call(c) for c in calls]
+        elif has_calls:
+            del m["tool_calls"]
+        out.append(m)
+    return out
+
+
+def _decoded_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call  # vLLM refuses it (400); rendered as it is
+    args = function.get("arguments")
+    if isinstance(args, str) and args:
+        try:
+            args = json.loads(args)
+        except ValueError:
+            args = {}
+    return {**call, "function": {**function,
+                                 "arguments": args if isinstance(args, dict) else {}}}
 
 
 class FallbackEncoder:
@@ -85,8 +162,13 @@ class FallbackEncoder:
 
     offload = False
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        return fallback_tokenize(render_fallback_chat(messages))
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Any] | None = None) -> list[int]:
+        return fallback_tokenize(render_fallback_chat(messages, tools))
+
+    def left_out(self, messages: Sequence[Mapping[str, Any]],
+                 tools: Sequence[Any] | None) -> str:
+        return ""  # the fallback template renders tools and tool calls
 
     def encode_text(self, text: str) -> list[int]:
         return fallback_tokenize(text)
@@ -113,6 +195,12 @@ class HFEncoder:
     without adding special tokens (the template wrote them), as vLLM's chat
     endpoint does. Completions: the prompt encoded with special tokens (BOS).
 
+    Tools and tool calls as vLLM renders them: ``tools`` passed to the template
+    (``apply_chat_template(tools=…)``), assistant ``tool_calls`` with their
+    arguments decoded (:func:`template_messages`). A template that does not read
+    ``tools`` (no such variable) or ``tool_calls`` (not in its source) cannot render
+    them; :meth:`left_out` gives their JSON text, which the prompt count adds.
+
     The tokenizer loads on first use (~2 s for Gemma 3's 262k vocabulary);
     ``offload`` is True so callers run it in a worker thread. Chats are tokenized
     turn by turn through a :class:`~engines.token_cache.TurnTokenCache` (earlier
@@ -132,6 +220,7 @@ class HFEncoder:
         self._tokenizer: Any = None
         self._template: Any = None
         self._special: dict[str, str] = {}
+        self._renders_tools = self._renders_calls = False
         self._lock = threading.Lock()
         self.turns: TurnTokenCache | None = None
 
@@ -141,6 +230,7 @@ class HFEncoder:
                 self._load_locked()
 
     def _load_locked(self) -> None:
+        import jinja2.meta
         import jinja2.sandbox
         from tokenizers import Tokenizer
 
@@ -165,7 +255,14 @@ class HFEncoder:
                 raise jinja2.exceptions.TemplateError(message)
 
             env.globals["raise_exception"] = raise_exception
+            # transformers' own filter (utils/chat_template_utils.py): Jinja's escapes HTML
+            env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, \
+                sort_keys=False: json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                                            separators=separators, sort_keys=sort_keys)
             self._template = env.from_string(source)
+            self._renders_tools = "tools" in jinja2.meta.find_undeclared_variables(
+                env.parse(source))
+            self._renders_calls = "tool_calls" in source
         tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
         markers = turn_markers(source or "", (t.content for t in
                                               tokenizer.get_added_tokens_decoder().values()))
@@ -178,19 +275,35 @@ class HFEncoder:
             self.turns = cache if cache.verify(sample) else None
         self._tokenizer = tokenizer
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Any] | None = None) -> str:
         """The chat as text; :func:`render_fallback_chat` if the model has no template."""
         self._load()
         if self._template is None:
-            return render_fallback_chat(messages)
-        return self._template.render(messages=list(messages), add_generation_prompt=True,
-                                     **self._special)
+            return render_fallback_chat(messages, tools)
+        return self._template.render(messages=template_messages(messages),
+                                     tools=list(tools) if tools else None,
+                                     add_generation_prompt=True, **self._special)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        text = self.render_chat(messages)
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Any] | None = None) -> list[int]:
+        text = self.render_chat(messages, tools)
         if self.turns is not None:
             return self.turns.encode(text)
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def left_out(self, messages: Sequence[Mapping[str, Any]],
+                 tools: Sequence[Any] | None) -> str:
+        """JSON text of what the template cannot render: ``tools``, and the
+        assistant turns' ``tool_calls``; "" when it renders both (or has no template:
+        the fallback rendering has both)."""
+        self._load()
+        if self._template is None:
+            return ""
+        parts = [] if self._renders_tools or not tools else [json_text(list(tools))]
+        if not self._renders_calls:
+            parts += [json_text(m["tool_calls"]) for m in messages if m.get("tool_calls")]
+        return "".join(parts)
 
     def encode_text(self, text: str) -> list[int]:
         self._load()
@@ -224,17 +337,20 @@ def encoder_for(spec: EngineSpec, cache_dir: Path | None = None,
 
 @dataclass(frozen=True)
 class PromptInput:
-    """The part of an OpenAI body that the engine tokenizes: ``messages`` (chat) or
-    ``prompt`` (completions: a string, a one-string list, or token ids)."""
+    """The part of an OpenAI body that the engine tokenizes: ``messages`` and
+    ``tools`` (chat; ``tools`` only when a list, as vLLM accepts it) or ``prompt``
+    (completions: a string, a one-string list, or token ids)."""
 
     messages: Sequence[Mapping[str, Any]] | None = None
     prompt: Any = None
+    tools: Sequence[Any] | None = None
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> PromptInput:
         messages = body.get("messages")
         if isinstance(messages, list):
-            return cls(messages=messages)
+            tools = body.get("tools")
+            return cls(messages=messages, tools=tools if isinstance(tools, list) else None)
         return cls(prompt=body.get("prompt"))
 
 
@@ -242,7 +358,7 @@ def encode(encoder: PromptEncoder, prompt: PromptInput) -> list[int]:
     """Token ids of ``prompt`` under ``encoder``; [] for shapes that are not one
     prompt (several prompts in one completions request)."""
     if prompt.messages is not None:
-        return encoder.encode_chat(prompt.messages)
+        return encoder.encode_chat(prompt.messages, prompt.tools)
     p = prompt.prompt
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
@@ -258,13 +374,20 @@ class Measured:
     """A prompt as the engine will tokenize it.
 
     Attributes:
-        tokens: its exact token count when the model's encoder reproduces the
-            engine's (the model's own tokenizer, or the simulator's); else None.
+        tokens: its token count: the rendered chat (tools and tool calls included),
+            plus the JSON text of what the template cannot render, plus the model's
+            ``media_part_tokens`` per non-text content part; None when the prompt
+            is several prompts (the caller's estimate stands).
         blocks: chained block hashes (see :meth:`PromptBlocks.measure_sync`).
+        exact: ``tokens`` is the engine's own count: the model's encoder reproduces
+            the engine's (the model's own tokenizer, or the simulator's) and nothing
+            was added to it; otherwise an estimate (the fallback tokenizer is within
+            ~7 % of Gemma 3's, :mod:`engines.blocks`).
     """
 
     tokens: int | None
     blocks: tuple[int, ...]
+    exact: bool = False
 
 
 class PromptBlocks:
@@ -273,7 +396,8 @@ class PromptBlocks:
     Args:
         cfg: the engines section: each model's encoder comes from its first
             engine spec (:func:`encoder_for`); ``scheduler.prefix.block_size``
-            fixes the block size when set.
+            fixes the block size when set; ``models[].media_part_tokens`` is the
+            floor counted per non-text content part.
         pool: engines whose ``block_size`` metric gives the block size otherwise.
         encoders: override per model (tests).
         cache_dir: where ``packaged:`` models are prepared.
@@ -292,16 +416,18 @@ class PromptBlocks:
         #: models whose encoder reproduces the engine's own token count
         self._exact: set[str] = set(self._overrides)
         self._specs: dict[str, EngineSpec] = {}  # model -> the spec its encoder is from
+        self._media_tokens: dict[str, int] = {}
         self._fallback = FallbackEncoder()
-        self.set_engines(cfg.engines)
+        self.set_engines(cfg)
 
-    def set_engines(self, specs: list[EngineSpec]) -> None:
-        """Serve the models of ``specs`` (a reload): a new model, or one whose first
-        spec changed kind or tokenizer, gets its encoder; a model no longer served
-        loses its own."""
+    def set_engines(self, cfg: EnginesConfig) -> None:
+        """Serve the models of ``cfg.engines`` (a reload): a new model, or one whose
+        first spec changed kind or tokenizer, gets its encoder; a model no longer
+        served loses its own. Each model's ``media_part_tokens`` is read again."""
         first: dict[str, EngineSpec] = {}
-        for spec in specs:
+        for spec in cfg.engines:
             first.setdefault(spec.model, spec)
+        self._media_tokens = {m: cfg.model_settings(m).media_part_tokens for m in first}
         for model in [m for m in self._specs if m not in first]:
             del self._specs[model], self._encoders[model]
             self._exact.discard(model)
@@ -332,15 +458,25 @@ class PromptBlocks:
                 return e.block_size
         return DEFAULT_BLOCK_SIZE
 
-    def measure_sync(self, model: str, prompt: PromptInput, salt: str | None) -> Measured:
-        """The prompt's token count and the chained hashes of its full blocks (at most
-        ``max_blocks``), salted with ``salt``; runs the encoder on the calling thread."""
-        tokens = encode(self.encoder(model), prompt)
-        exact = len(tokens) if tokens and model in self._exact else None
+    def measure_sync(self, model: str, prompt: PromptInput, salt: str | None, *,
+                     encoder: PromptEncoder | None = None) -> Measured:
+        """The prompt's token count (:class:`Measured`) and the chained hashes of its
+        full blocks (at most ``max_blocks``), salted with ``salt``; runs the encoder
+        (the model's, or ``encoder``) on the calling thread."""
+        encoder = encoder or self.encoder(model)
+        tokens = encode(encoder, prompt)
+        added = 0
+        if prompt.messages is not None:
+            left = encoder.left_out(prompt.messages, prompt.tools)
+            added = (len(encoder.encode_text(left)) if left else 0) + \
+                self._media_tokens.get(model, DEFAULT_MEDIA_PART_TOKENS) * \
+                media_parts(prompt.messages)
+        exact = model in self._exact and not added and encoder is self.encoder(model)
         size = self.block_size(model)
+        count = len(tokens) + added if tokens else None
         if self.max_blocks is not None:
             tokens = tokens[: self.max_blocks * size]
-        return Measured(exact, tuple(chain_block_hashes(tokens, size, salt)))
+        return Measured(count, tuple(chain_block_hashes(tokens, size, salt)), exact)
 
     def blocks_sync(self, model: str, prompt: PromptInput, salt: str | None) -> tuple[int, ...]:
         """:meth:`measure_sync`'s block hashes."""
@@ -352,7 +488,8 @@ class PromptBlocks:
         for a ``large`` prompt (the event loop never waits on a tokenizer load or a
         long encode: the fallback encoder and the block hashes cost ~0.25 µs per
         prompt byte, 1.6 s for a 6 MB prompt). An encoder failure (bad template
-        input) gives no count and no blocks, never an error."""
+        input) gives the simulator's rendering's count (every part of the prompt
+        counted, not exact) and no blocks, never an error."""
         encoder = self.encoder(model)
         run: Callable[[], Measured] = lambda: self.measure_sync(model, prompt, salt)  # noqa: E731
         try:
@@ -361,7 +498,12 @@ class PromptBlocks:
             return await asyncio.to_thread(run)
         except Exception as e:  # noqa: BLE001 - routing must not fail a request
             log.warning("prompt blocks for %s failed: %r", model, e)
+        try:
+            m = await asyncio.to_thread(self.measure_sync, model, prompt, None,
+                                        encoder=self._fallback)
+        except Exception:  # noqa: BLE001
             return Measured(None, ())
+        return Measured(m.tokens, ())
 
     async def blocks(self, model: str, prompt: PromptInput, salt: str | None,
                      ) -> tuple[int, ...]:

@@ -181,7 +181,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app[QUEUES] = {m: AdmissionQueue(model=m, config=cfg.gateway.queue, clock=clock)
                    for m in cfg.engines.model_names()}
     app[STORE] = open_store(limits.store_url, failure=limits.redis_failure,
-                            timeout_s=limits.redis_timeout_s,  # connects lazily
+                            timeout_s=limits.redis_timeout_s, clock=clock,  # connects lazily
                             max_pending_releases=limits.max_pending_releases)
     app[LIMITER] = RateLimiter(store=app[STORE], lease_ttl_s=limits.lease_ttl_s)
     metrics = GatewayMetrics(models=cfg.engines.model_names(),

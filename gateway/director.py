@@ -32,13 +32,14 @@ from gateway.keys import RECORD, TENANT
 from gateway.openai_api import (
     Endpoint,
     InferenceRequest,
+    output_cap,
     parse_json,
     parse_request,
     prompt_count,
 )
 from gateway.placement import Need, Placement, Placer
 from gateway.prefill_queue import LegShed
-from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
+from gateway.proxy import SSE_HEADERS, ClientGone, EngineClient, ProxyResult, UpstreamFailed
 from gateway.record import RequestRecord
 from gateway.tracing import Spans, inject_traceparent
 from limits import capacity
@@ -50,8 +51,9 @@ from limits.rate_limit import RateLimiter, Reservation, Sizing, reservation_size
 from limits.saturation import SaturationDetector
 
 #: Request fields whose output a streamed answer, reassembled, would not keep
-#: (``StreamSummary.to_response`` rebuilds text only): such answers are not cached.
-STREAM_LOSSY = frozenset({"logprobs", "top_logprobs", "tools", "functions"})
+#: (``StreamSummary.to_response`` rebuilds every delta field, not the per-token
+#: ``logprobs``): such answers are not cached.
+STREAM_LOSSY = frozenset({"logprobs", "top_logprobs"})
 
 #: Retry-After, s, when no engine serving the model is ready (engines restart with
 #: backoff starting at 1 s; a few seconds is the honest order of magnitude).
@@ -188,7 +190,7 @@ class Director:
         self._degradation = {m: engines.model_settings(m).degradation for m in models}
         self.split_models = self.placer.split_models = _split_models(engines)
         self._salted = _salted_models(engines)
-        self.prompts.set_engines(engines.engines)
+        self.prompts.set_engines(engines)
         self.placer.scheduler.set_plugins(engines.scheduler)
         self.placer.detector = SaturationDetector.from_config(engines)
 
@@ -273,11 +275,12 @@ class Director:
 
     async def _measure(self, req: InferenceRequest) -> None:
         """Tokenize the prompt once (off the event loop for a real tokenizer): its
-        exact token count, where the model's tokenizer is known, and its blocks."""
+        token count (tools, tool calls and media parts included; exact where the
+        model's tokenizer is known and nothing was added) and its blocks."""
         salt = req.body.get("cache_salt") if req.model in self._salted else None
         m = await self.prompts.measure(req.model, PromptInput.from_body(req.body), salt,
                                        large=req.large)
-        req.measured(m.tokens, m.blocks)
+        req.measured(m.tokens, m.blocks, exact=m.exact)
 
     # ------------------------------------------------------------------ placement
 
@@ -366,6 +369,10 @@ class Director:
                 try:
                     result = await self._admit_and_send(request, req, tenant, rec, timeout_s,
                                                         started)
+                except Rejected as e:
+                    if e.outcome.refunded:  # the service refused it: the client owes nothing
+                        await reservation.refund()
+                    raise
                 finally:
                     await reservation.settle(rec.prompt_tokens + rec.completion_tokens)
             if creq is not None and result.answer is not None and not (
@@ -421,14 +428,23 @@ class Director:
 
     def _store_later(self, creq: CacheRequest, req: InferenceRequest, answer: dict) -> None:
         """Store a finished answer off the response path (the semantic cache embeds
-        the question, ~20 ms on CPU)."""
+        the question, ~20 ms on CPU), under the very request it was looked up with
+        (``creq``: the body before the gateway's own edits, so lookup and store
+        compute one key). Not stored: a fallback model's answer (not the requested
+        model's), and an answer cut (``length``) at an output cap the gateway wrote
+        after the lookup (the tokens/min cap, a degradation rung): the request as
+        looked up did not ask for that cut. An answer that stopped by itself is the
+        same under any larger cap, so it is stored."""
         assert self.cache is not None
-        if creq.no_store or not request_cacheable(req.body, creq.tenant):
+        if creq.no_store or not request_cacheable(creq.body, creq.tenant):
             return  # what ResponseCache.store would decide, without a task per request
-        final = CacheRequest(namespace=creq.namespace, tenant=creq.tenant,
-                             endpoint=creq.endpoint, model=req.model, body=req.body,
-                             no_store=creq.no_store, large=creq.large)
-        task = asyncio.create_task(self.cache.store(final, answer))
+        if req.model != creq.model:
+            return
+        if req.max_output_tokens != output_cap(req.endpoint, creq.body)[1] and any(
+                isinstance(c, dict) and c.get("finish_reason") == "length"
+                for c in answer.get("choices") or ()):
+            return
+        task = asyncio.create_task(self.cache.store(creq, answer))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -518,6 +534,10 @@ class Director:
                     continue
                 except LegShed as e:  # its local prefill, held past its latest start
                     raise self._prefill_shed(tenant, queue) from e
+                except ClientGone as gone:  # charged what the engine generated
+                    rec.prompt_tokens, rec.completion_tokens = (gone.prompt_tokens,
+                                                                gone.completion_tokens)
+                    raise
                 except asyncio.CancelledError:
                     rec.prompt_tokens = req.prompt_tokens  # the engine did the prefill
                     raise

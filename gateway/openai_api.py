@@ -157,8 +157,8 @@ class InferenceRequest:
         client_usage: the client asked for ``stream_options.include_usage``.
         prompt_text: the prompt as plain text (messages joined), for estimates.
         prompt_tokens: prompt tokens of all prompts: the characters/4 estimate at
-            parse time, replaced by the exact count when the model's tokenizer is
-            known (:meth:`measured`).
+            parse time, replaced by the tokenizer's count (:meth:`measured`; tools,
+            tool calls and media parts included).
         prompt_exact: ``prompt_tokens`` comes from the engine's tokenizer.
         blocks: chained KV-block hashes of the prompt (prefix routing), or ().
         large: the body is over ``gateway.offload_bytes``: work that grows with it
@@ -195,11 +195,12 @@ class InferenceRequest:
     def prompt_param(self) -> str:
         return "messages" if self.endpoint == "chat" else "prompt"
 
-    def measured(self, tokens: int | None, blocks: tuple[int, ...]) -> None:
-        """Record the tokenizer's view of the prompt: its exact token count (None:
-        no tokenizer, the estimate stays) and its block hashes."""
+    def measured(self, tokens: int | None, blocks: tuple[int, ...], *, exact: bool) -> None:
+        """Record the tokenizer's view of the prompt (:class:`engines.prompt.Measured`):
+        its token count (None: several prompts, the estimate stays), whether that is
+        the engine's exact count, and its block hashes."""
         if tokens is not None:
-            self.prompt_tokens, self.prompt_exact = tokens, True
+            self.prompt_tokens, self.prompt_exact = tokens, exact
         self.blocks = blocks
 
     def set_model(self, model: str) -> None:

@@ -126,6 +126,18 @@ class UpstreamFailed(Exception):
         self.final = final
 
 
+class ClientGone(asyncio.CancelledError):
+    """The client went away (the handler was cancelled) while a stream was relayed;
+    carries what the engine had used by then, so it is charged: ``prompt_tokens``
+    and ``completion_tokens`` (the engine's usage if it came, else the prompt
+    estimate and the chunks that carried generated output)."""
+
+    def __init__(self, prompt_tokens: int, completion_tokens: int) -> None:
+        super().__init__("client disconnected mid-stream")
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+
+
 @dataclass
 class ProxyResult:
     """How an upstream call ended.
@@ -136,7 +148,7 @@ class ProxyResult:
         response: the HTTP response for the handler to return (already sent for
             streams).
         prompt_tokens / completion_tokens: from the engine's usage; for a stream cut
-            short, the estimate and the content chunks streamed so far.
+            short, the estimate and the chunks of generated output streamed so far.
         ttft_s: seconds from sending to the first generated output, or None.
         cached_tokens: ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens
             the engine's prefix cache served), or None when it did not report it.
@@ -340,7 +352,8 @@ class EngineClient:
             UpstreamFailed: nothing was sent to the client yet (retry is safe).
             Rejected: the engine rejected the client's request (see :func:`engine_error`).
             asyncio.CancelledError: the client went away; the upstream request is
-                closed first, which makes vLLM abort it.
+                closed first, which makes vLLM abort it. Mid-stream it is a
+                :class:`ClientGone` carrying the tokens used so far.
         """
         start = self.clock.now()
         data = await asyncio.to_thread(self._upstream_body, req, priority) if req.large \
@@ -457,6 +470,9 @@ class EngineClient:
                 outcome = Outcome.UPSTREAM_ERROR
         except ConnectionResetError:
             outcome = Outcome.CLIENT_DISCONNECTED
+        except asyncio.CancelledError:
+            raise ClientGone(*_usage(summary.usage, req.prompt_tokens,
+                                     summary.content_chunks)) from None
         if outcome is Outcome.OK and not summary.done:
             outcome = Outcome.UPSTREAM_ERROR  # the engine closed the stream early
         if outcome is Outcome.OK and summary.error:

@@ -7,7 +7,8 @@ the separator ``\\n\\n`` never occurs inside one) and bounds the size of one eve
 (an engine that never ends an event must not grow the gateway's memory).
 :class:`StreamSummary` reads each
 event's JSON for what the gateway must know: usage, finish reasons, the number of
-content chunks and the text (to cache a finished answer).
+chunks that carried generated output and the answer itself, every delta field
+merged (to cache a finished answer).
 """
 
 from __future__ import annotations
@@ -76,6 +77,61 @@ def _loads(payload: bytes) -> Any:
     return json.loads(payload)
 
 
+def merge_field(message: dict[str, Any], key: str, value: Any) -> bool:
+    """Add one field of a chat stream's ``delta`` to ``message`` (the answer so far,
+    as a non-streaming ``message``): strings (``reasoning_content``, ``reasoning``,
+    ``refusal``, …) are concatenated, ``role`` kept, ``tool_calls`` merged by their
+    ``index`` (``id``, ``type`` and ``function.name`` taken when first sent,
+    ``function.arguments`` concatenated), nulls skipped. Returns False when the
+    value is something this merge cannot rebuild exactly (any other value), so the
+    answer must not be cached."""
+    if value is None:
+        return True
+    if key == "tool_calls":
+        return _merge_tool_calls(message.setdefault("tool_calls", {}), value)
+    if key == "role" and isinstance(value, str):
+        message["role"] = value
+        return True
+    if isinstance(value, str) and isinstance(message.get(key, ""), str):
+        message[key] = message.get(key, "") + value
+        return True
+    return False
+
+
+def _merge_tool_calls(calls: dict[int, dict[str, Any]], pieces: Any) -> bool:
+    if not isinstance(pieces, list):
+        return False
+    for piece in pieces:
+        if not isinstance(piece, dict) or not isinstance(piece.get("index", 0), int):
+            return False
+        call = calls.setdefault(piece.get("index", 0), {})
+        for key, value in piece.items():
+            if key == "index" or value is None:
+                continue
+            if key == "function" and isinstance(value, dict):
+                function = call.setdefault("function", {})
+                for name, part in value.items():
+                    if not isinstance(part, str):
+                        return False
+                    function[name] = (function.get(name, "") + part if name == "arguments"
+                                      else function.get(name) or part)
+            elif isinstance(value, str):
+                call.setdefault(key, value)
+            else:
+                return False
+    return True
+
+
+def generated(choice: dict[str, Any], chat: bool) -> bool:
+    """Whether a stream choice carries generated output: a chat delta with any
+    non-empty field but ``role`` (content, reasoning, tool-call pieces, …), or a
+    completions ``text``."""
+    if not chat:
+        return bool(choice.get("text"))
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and any(v for k, v in delta.items() if k != "role")
+
+
 @dataclass
 class StreamSummary:
     """What was seen in a stream so far.
@@ -83,10 +139,16 @@ class StreamSummary:
     Attributes:
         usage: the engine's usage object (from the usage-only chunk), or None.
         finish_reasons: per choice index, the finish reason once sent.
-        content_chunks: chunks that carried generated text (≈ tokens streamed; used
-            for the completion tokens of a stream cut short).
+        content_chunks: choice chunks that carried generated output (:func:`generated`:
+            content, reasoning, tool-call pieces, completions text; ≈ tokens streamed;
+            the completion tokens of a stream cut short).
         done: ``[DONE]`` was seen.
         error: an error object the engine sent inside the stream, if any.
+        texts: per choice index, the generated text pieces (chat ``content``,
+            completions ``text``).
+        fields: per choice index, every other field of the chat deltas merged
+            (:func:`merge_field`: reasoning, tool calls, …).
+        lossy: choice indices with a delta field :func:`merge_field` cannot rebuild.
     """
 
     chat: bool
@@ -97,6 +159,8 @@ class StreamSummary:
     error: dict[str, Any] | None = None
     first: dict[str, Any] | None = None
     texts: dict[int, list[str]] = field(default_factory=dict)
+    fields: dict[int, dict[str, Any]] = field(default_factory=dict)
+    lossy: set[int] = field(default_factory=set)
 
     def observe(self, event: bytes) -> dict[str, Any] | None:
         """Record one event; returns its parsed JSON (None for ``[DONE]``, comments
@@ -121,11 +185,21 @@ class StreamSummary:
         if obj.get("usage"):
             self.usage = obj["usage"]
         for choice in obj.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
             idx = choice.get("index", 0)
-            text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
-            if text:
+            if generated(choice, self.chat):
                 self.content_chunks += 1
-                self.texts.setdefault(idx, []).append(text)
+            if self.chat:
+                delta = choice.get("delta")
+                for key, value in delta.items() if isinstance(delta, dict) else ():
+                    if key == "content" and isinstance(value, str):
+                        if value:
+                            self.texts.setdefault(idx, []).append(value)
+                    elif not merge_field(self.fields.setdefault(idx, {}), key, value):
+                        self.lossy.add(idx)
+            elif choice.get("text"):
+                self.texts.setdefault(idx, []).append(choice["text"])
             if choice.get("finish_reason"):
                 self.finish_reasons[idx] = choice["finish_reason"]
         return obj
@@ -133,20 +207,26 @@ class StreamSummary:
     def to_response(self) -> dict[str, Any] | None:
         """The equivalent non-streaming response body, or None when the stream did
         not finish normally (no ``[DONE]``, an error, or a choice without a finish
-        reason). Only text answers are reassembled; tool-call deltas are not."""
+        reason) or a choice held a delta that cannot be rebuilt exactly. A chat
+        choice's ``message`` holds every delta field merged (:func:`merge_field`;
+        ``content`` "" when none came), tool calls as a list in index order."""
         if not self.done or self.error or self.first is None or not self.finish_reasons:
             return None
-        indices = sorted(set(self.texts) | set(self.finish_reasons))
-        if any(i not in self.finish_reasons for i in indices):
+        indices = sorted(set(self.texts) | set(self.fields) | set(self.finish_reasons))
+        if any(i not in self.finish_reasons for i in indices) or self.lossy:
             return None
         choices = []
         for i in indices:
             text = "".join(self.texts.get(i, []))
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                message = {"role": "assistant", **self.fields.get(i, {}), "content": text}
+                if "tool_calls" in message:
+                    message["tool_calls"] = [c for _, c in sorted(message["tool_calls"].items())]
+                choices.append({"index": i, "message": message,
                                 "finish_reason": self.finish_reasons[i]})
             else:
-                choices.append({"index": i, "text": text, "finish_reason": self.finish_reasons[i]})
+                choices.append({"index": i, "text": text,
+                                "finish_reason": self.finish_reasons[i]})
         return {
             "id": self.first.get("id"),
             "object": "chat.completion" if self.chat else "text_completion",

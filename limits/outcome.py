@@ -3,7 +3,9 @@ OpenAI error ``type`` and an OpenAI error ``code``.
 
 OpenAI's error body is ``{"error": {"message", "type", "param", "code"}}``
 (https://platform.openai.com/docs/guides/error-codes). Outcomes whose status is 429
-or 503 always carry an integer ``Retry-After`` header (RFC 9110 §10.2.3).
+or 503 always carry an integer ``Retry-After`` header (RFC 9110 §10.2.3). A 503 is
+the service refusing the request itself, so its rate-limit charge is refunded
+(:attr:`Outcome.refunded`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,13 @@ class Outcome(Enum):
     @property
     def needs_retry_after(self) -> bool:
         return self.status in (429, 503)
+
+    @property
+    def refunded(self) -> bool:
+        """The service refused the request itself (every 503: shed or overloaded,
+        queue timeout, no engine), so the client did nothing wrong and gets back the
+        request and tokens its tenant was charged (``Reservation.refund``)."""
+        return self.status == 503
 
 
 # outcome -> (HTTP status, OpenAI error type, OpenAI error code)

@@ -13,7 +13,9 @@ Tokens are reserved up front as ``prompt + max output tokens × sequences``
 (:func:`reservation_size`); only
 admitted reservations count, so concurrent and streamed requests cannot overshoot a
 tokens/min budget — except by what one request's actual usage exceeds its own
-reservation (charged on settle as debt that delays the tenant's next requests).
+reservation (charged on settle as debt that delays the tenant's next requests). A request the
+service refused itself (a 503: shed, queue timeout, no engine) is refunded its
+request and tokens (:meth:`Reservation.refund`): the client did nothing wrong.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class Reservation:
         token_bucket: Bucket | None,
         lease: tuple[str, str, int, float] | None,
         open_: set[Reservation] | None = None,
+        request_bucket: Bucket | None = None,
     ) -> None:
         self.tenant = tenant
         self.tokens = tokens
@@ -126,6 +129,7 @@ class Reservation:
         self.released = lease is None
         self._store = store
         self._token_bucket = token_bucket
+        self._request_bucket = request_bucket
         self._lease = lease
         self._renewal: asyncio.TimerHandle | None = None
         self._renewing: asyncio.Task[None] | None = None
@@ -150,6 +154,18 @@ class Reservation:
         if self._token_bucket is not None and delta:
             b = self._token_bucket
             await self._store.adjust(Bucket(b.key, delta, b.rate_per_s, b.burst))
+
+    async def refund(self) -> None:
+        """Give back the request (requests/min) and every reserved token: the
+        service refused the request itself (:attr:`Outcome.refunded`). Only if
+        nothing settled yet; then :meth:`settle` does nothing. Never raises on store
+        outages."""
+        if self.settled:
+            return
+        if self._request_bucket is not None:
+            b = self._request_bucket
+            await self._store.adjust(Bucket(b.key, -b.cost, b.rate_per_s, b.burst))
+        await self.settle(0)
 
     async def release(self) -> None:
         """Return the concurrency slot; idempotent, never raises on store outages."""
@@ -270,11 +286,11 @@ class RateLimiter:
                     reason="concurrency",
                 )
         token_bucket = None if tpm is None else Bucket(f"{base}:tpm", tokens, tpm / 60, tpm)
+        rpm = tenant.requests_per_min
+        request_bucket = None if rpm is None else Bucket(f"{base}:rpm", 1, rpm / 60, rpm)
         checks: list[tuple[Bucket, str, str]] = []  # bucket, reason, unit
-        if tenant.requests_per_min is not None:
-            rpm = tenant.requests_per_min
-            checks.append((Bucket(f"{base}:rpm", 1, rpm / 60, rpm), "requests_per_min",
-                           "requests"))
+        if request_bucket is not None:
+            checks.append((request_bucket, "requests_per_min", "requests"))
         if token_bucket is not None and tokens > 0:
             checks.append((token_bucket, "tokens_per_min", "tokens"))
         try:
@@ -295,4 +311,5 @@ class RateLimiter:
                 retry_after_s=result.retry_after_s,
                 reason=reason,
             )
-        return Reservation(self._store, tenant.name, tokens, token_bucket, lease, self._open)
+        return Reservation(self._store, tenant.name, tokens, token_bucket, lease, self._open,
+                           request_bucket)

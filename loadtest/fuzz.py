@@ -5,7 +5,9 @@ Requests come from the hypothesis strategy :func:`requests` (the test suite runs
 same one, ``tests/integration/test_fuzz.py``): JSON bodies built around every OpenAI
 field (``n``, ``best_of``, ``logit_bias``, ``tools``, ``response_format``, image
 parts, token-id prompts, prompt lists, …) each either valid or wrong (wrong types,
-huge and tiny numbers, odd Unicode, deep nesting), raw bodies (duplicate keys,
+huge and tiny numbers, odd Unicode, deep nesting), chats whose prompt hides in
+tools, tool calls, tool results and content-part arrays or whose answer streams
+reasoning (:func:`accounting_body`), raw bodies (duplicate keys,
 truncated or non-UTF-8 JSON, 10⁵-deep nesting, huge number literals) and odd
 headers (bad keys, ``x-request-timeout``, ``Cache-Control``), sent ``--concurrency``
 at a time (default 32). Bounded-work shapes (:func:`sequence_body`, :func:`huge_body`):
@@ -186,6 +188,105 @@ def _raw_bodies() -> st.SearchStrategy[bytes]:
     return st.one_of(deep, deep_obj, dup, odd, st.binary(max_size=64))
 
 
+# ------------------------------------------------- accounting shapes (issue 39, items 1-5)
+# Bodies where a prompt hides outside the messages' text (tool definitions, assistant
+# tool calls, tool results, non-text parts) and answers that stream more than
+# ``content`` (the simulator thinks when ``chat_template_kwargs.enable_thinking``):
+# the count, the reservation and the settle must still hold (0 overshoot).
+
+#: long text: sometimes past the ``capped`` tenant's 3,000 prompt tokens
+_long_text = st.one_of(text, st.integers(1, 4000).map(lambda n: " ".join(["word"] * n)))
+tool_definitions = st.lists(st.fixed_dictionaries(
+    {"type": st.just("function"),
+     "function": st.fixed_dictionaries(
+         {"name": st.sampled_from(["lookup", "search", "f"]) | text},
+         optional={"description": _long_text,
+                   "parameters": st.just({"type": "object", "properties": {
+                       "q": {"type": "string"}}}) | anything})}),
+    min_size=1, max_size=4)
+_arguments = st.one_of(
+    st.dictionaries(st.sampled_from(["q", "n", "x"]), _long_text | ints, max_size=3).map(
+        json.dumps),
+    st.sampled_from(["", "{", "[1, 2]", "null", '{"q": NaN}']), _long_text, anything)
+tool_call = st.fixed_dictionaries(
+    {"id": st.sampled_from(["call-1", "call-2"]) | text, "type": st.just("function"),
+     "function": st.fixed_dictionaries({"name": text}, optional={"arguments": _arguments})})
+
+
+@st.composite
+def tool_call_turns(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """A conversation with assistant turns carrying ``tool_calls`` (arguments valid,
+    malformed, huge or not a string; content null or text) and ``tool`` replies."""
+    turns: list[dict[str, Any]] = [{"role": "user", "content": draw(text)}]
+    for _ in range(draw(st.integers(1, 3))):
+        calls = draw(st.lists(tool_call, min_size=0, max_size=3))
+        turns.append({"role": "assistant", "content": draw(st.none() | text),
+                      "tool_calls": calls})
+        for call in calls:
+            turns.append({"role": "tool", "tool_call_id": call["id"],
+                          "content": draw(_long_text | st.lists(
+                              st.fixed_dictionaries({"type": st.just("text"),
+                                                     "text": text}), max_size=2))})
+    if draw(st.booleans()):
+        turns.append({"role": "user", "content": draw(text)})
+    return turns
+
+
+media_part = st.one_of(
+    image_part,
+    st.fixed_dictionaries({"type": st.just("input_audio"), "input_audio": st.fixed_dictionaries(
+        {"data": st.sampled_from(["UklGRg==", ""]), "format": st.sampled_from(["wav", "mp3"])})}),
+    st.fixed_dictionaries({"type": st.just("file"), "file": st.fixed_dictionaries(
+        {}, optional={"file_data": st.just("data:application/pdf;base64,JVBERi0="),
+                      "filename": text})}),
+    st.fixed_dictionaries({"type": st.just("video_url"),
+                           "video_url": st.just({"url": "https://example.invalid/v.mp4"})}))
+content_part_arrays = st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": _long_text}), media_part),
+    min_size=0, max_size=20)
+
+
+@st.composite
+def reasoning_fields(draw: st.DrawFn) -> dict[str, Any]:
+    """Fields that make the answer stream reasoning deltas on the simulator
+    (``enable_thinking``), streamed with or without usage, sometimes deterministic
+    (the cache's reassembly)."""
+    out: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": True},
+                           "stream": draw(st.booleans())}
+    if out["stream"] and draw(st.booleans()):
+        out["stream_options"] = {"include_usage": True}
+    if draw(st.booleans()):
+        out["temperature"] = 0
+    return out
+
+
+@st.composite
+def accounting_body(draw: st.DrawFn) -> dict[str, Any]:
+    """A chat body whose prompt is (also) in tools, tool calls, tool results or
+    non-text parts, or whose answer thinks; an output cap most of the time."""
+    shape = draw(st.sampled_from(["tools", "tool_calls", "parts", "thinking"]))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": draw(text)}]
+    out: dict[str, Any] = {"model": MODEL}
+    if shape == "tools":
+        out["tools"] = draw(tool_definitions)
+        out["tool_choice"] = draw(st.sampled_from(["auto", "none"]))
+    elif shape == "tool_calls":
+        messages = draw(tool_call_turns())
+    elif shape == "parts":
+        messages = [{"role": draw(st.sampled_from(["user", "system", "tool"])),
+                     "content": draw(content_part_arrays)} for _ in range(draw(st.integers(1, 3)))]
+    else:
+        out.update(draw(reasoning_fields()))
+        if draw(st.booleans()):  # a thinking history: vLLM takes ``reasoning`` on turns
+            messages = [*messages, {"role": "assistant", "content": draw(text),
+                                    "reasoning_content": draw(_long_text)},
+                        {"role": "user", "content": draw(text)}]
+    out["messages"] = messages
+    if draw(st.integers(0, 9)):
+        out["max_tokens"] = draw(st.integers(1, 64))
+    return out
+
+
 @dataclass(frozen=True)
 class FuzzRequest:
     """One generated request: ``path``, ``headers`` and the body as sent (bytes)."""
@@ -268,9 +369,10 @@ def huge_body(draw: st.DrawFn) -> tuple[str, bytes]:
 @st.composite
 def requests(draw: st.DrawFn) -> FuzzRequest:
     """A hostile or odd request: mostly chat/completions JSON, some raw bytes, some
-    sequence multipliers, a few to the wrong path, rarely a huge prompt."""
+    sequence multipliers, some accounting shapes (tools, tool calls, content parts,
+    reasoning), a few to the wrong path, rarely a huge prompt."""
     kind = draw(st.sampled_from(["chat"] * 5 + ["completions"] * 4 + ["raw"] * 2
-                                + ["sequences"]))
+                                + ["sequences"] + ["accounting"] * 2))
     if draw(st.randoms(use_true_random=False)).randrange(HUGE_ONE_IN) == 0:
         kind = "huge"
     if kind == "huge":
@@ -281,6 +383,9 @@ def requests(draw: st.DrawFn) -> FuzzRequest:
     elif kind == "raw":
         body = draw(_raw_bodies())
         path = draw(st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+    elif kind == "accounting":
+        body = _encode(draw(accounting_body()))
+        path = "/v1/chat/completions"
     else:
         obj = draw(json_body(kind == "chat"))
         if obj.get("stream") is True and draw(st.booleans()):

@@ -10,7 +10,10 @@ for chat, a usage-only last chunk (empty ``choices``) when
 summing their output), as vLLM does. Simplifications (documented, deliberate): one
 prompt per completion request, ``best_of`` ignored, output length = ``max_tokens``
 (no stop strings, finish reason ``length``), default ``max_tokens`` 16 (OpenAI's
-legacy completions default; vLLM defaults to the rest of the context).
+legacy completions default; vLLM defaults to the rest of the context). A chat that
+enables thinking (``chat_template_kwargs.enable_thinking``) thinks for the first half
+of its output: those tokens are ``reasoning_content``, as from vLLM's reasoning
+parsers.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class ParsedRequest:
         n: choices (sequences) to generate.
         stream, include_usage: SSE streaming and the final usage chunk.
         cache_salt: prefix-cache isolation key (vLLM's ``cache_salt``).
+        thinking: a chat with ``chat_template_kwargs.enable_thinking: true``
+            (Qwen 3's switch, which vLLM hands to the template; its reasoning parser
+            then sends the thinking as ``reasoning_content``).
     """
 
     chat: bool
@@ -70,16 +76,18 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     cache_salt: str | None
+    thinking: bool = False
 
 
-def render_chat(messages: list[dict[str, Any]]) -> str:
-    """Render ``messages`` with the fixed Gemma-style template the gateway also uses
-    for ``kind: sim`` engines (:func:`engines.prompt.render_fallback_chat`), after
-    checking every content is a string or a list of parts. Equal leading messages
-    render to equal leading text, hence equal leading token blocks."""
+def render_chat(messages: list[dict[str, Any]], tools: Any = None) -> str:
+    """Render ``messages`` and ``tools`` (when a list) with the fixed Gemma-style
+    template the gateway also uses for ``kind: sim`` engines
+    (:func:`engines.prompt.render_fallback_chat`), after checking every content is a
+    string or a list of parts. Equal leading messages render to equal leading text,
+    hence equal leading token blocks."""
     for m in messages:
         _text(m.get("content"))
-    return render_fallback_chat(messages)
+    return render_fallback_chat(messages, tools if isinstance(tools, list) else None)
 
 
 def _text(content: Any) -> str:
@@ -150,8 +158,10 @@ def parse_chat(body: Any, served_model: str) -> ParsedRequest:
                        for m in messages)):
         raise RequestError("messages must be a non-empty list of {role, content}",
                            param="messages")
-    return ParsedRequest(True, render_chat(messages), None, max_tokens, n, stream,
-                         include_usage, salt)
+    kwargs = body.get("chat_template_kwargs")
+    thinking = isinstance(kwargs, dict) and kwargs.get("enable_thinking") is True
+    return ParsedRequest(True, render_chat(messages, body.get("tools")), None, max_tokens, n,
+                         stream, include_usage, salt, thinking)
 
 
 def parse_completion(body: Any, served_model: str) -> ParsedRequest:
@@ -225,10 +235,14 @@ SSE_DONE = b"data: [DONE]\n\n"
 class ResponseShape:
     """Builds one request's chunks and final body (``id`` and ``created`` fixed).
     ``request_id``: the client's ``X-Request-Id``, which vLLM makes the response id
-    (``chatcmpl-<id>`` / ``cmpl-<id>``); None draws a random one."""
+    (``chatcmpl-<id>`` / ``cmpl-<id>``); None draws a random one.
+    ``reasoning_tokens``: a chat's first output tokens that are thinking, sent as
+    ``reasoning_content`` (stream) and ``message.reasoning_content`` (JSON)."""
 
-    def __init__(self, chat: bool, model: str, request_id: str | None = None) -> None:
+    def __init__(self, chat: bool, model: str, request_id: str | None = None,
+                 reasoning_tokens: int = 0) -> None:
         self.chat, self.model = chat, model
+        self.reasoning_tokens = reasoning_tokens if chat else 0
         self.id = new_id(chat) if request_id is None else \
             f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
@@ -241,10 +255,13 @@ class ResponseShape:
             {"index": index, "delta": {"role": "assistant", "content": ""},
              "logprobs": None, "finish_reason": None}]})
 
-    def token_chunk(self, text: str, finished: bool, index: int = 0) -> bytes:
+    def token_chunk(self, position: int, finished: bool, index: int = 0) -> bytes:
+        """The chunk of output token ``position`` (0-based) of choice ``index``."""
+        text = output_text(position, position + 1)
         reason = "length" if finished else None
         if self.chat:
-            choice = {"index": index, "delta": {"content": text}, "logprobs": None,
+            key = "reasoning_content" if position < self.reasoning_tokens else "content"
+            choice = {"index": index, "delta": {key: text}, "logprobs": None,
                       "finish_reason": reason}
             obj = "chat.completion.chunk"
         else:
@@ -259,19 +276,24 @@ class ResponseShape:
         return sse({**self._head(obj), "choices": [],
                     "usage": usage(prompt, completion, cached)})
 
-    def full(self, texts: list[str], prompt: int, completion: int,
+    def full(self, outputs: list[int], prompt: int, completion: int,
              extra: dict[str, Any] | None = None, cached: int | None = None) -> bytes:
-        """The non-streaming body: one choice per text in ``texts``; ``extra`` adds
-        top-level fields (``kv_transfer_params``); ``cached`` as :func:`usage`."""
+        """The non-streaming body: one choice per sequence, ``outputs`` its output
+        tokens; ``extra`` adds top-level fields (``kv_transfer_params``); ``cached``
+        as :func:`usage`."""
         choices: list[dict[str, Any]] = []
-        for i, text in enumerate(texts):
+        for i, produced in enumerate(outputs):
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text,
-                                                        "tool_calls": []},
+                thought = min(produced, self.reasoning_tokens)
+                message = {"role": "assistant", "content": output_text(thought, produced),
+                           "tool_calls": []}
+                if thought:
+                    message["reasoning_content"] = output_text(0, thought)
+                choices.append({"index": i, "message": message,
                                 "logprobs": None, "finish_reason": "length",
                                 "stop_reason": None})
             else:
-                choices.append({"index": i, "text": text, "logprobs": None,
+                choices.append({"index": i, "text": output_text(0, produced), "logprobs": None,
                                 "finish_reason": "length", "stop_reason": None})
         obj = "chat.completion" if self.chat else "text_completion"
         return dumps({**self._head(obj), "choices": choices,

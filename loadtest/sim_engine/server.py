@@ -51,7 +51,6 @@ from loadtest.sim_engine.protocol import (
     ResponseShape,
     check_length,
     dumps,
-    output_text,
     parse_chat,
     parse_completion,
 )
@@ -190,7 +189,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     except RequestError as exc:
         return _error(exc, request.app[DIALECT])
     connector = request.app.get(CONNECTOR)
-    shape = ResponseShape(chat, engine.model_name, request.headers.get("X-Request-Id"))
+    shape = ResponseShape(chat, engine.model_name, request.headers.get("X-Request-Id"),
+                          reasoning_tokens=max_tokens // 2 if parsed.thinking else 0)
     wake = asyncio.Event()
     reqs = [SimRequest(engine_request_id(shape.id if parsed.n == 1 else f"{shape.id}-{i}"),
                        n_prompt, hashes, max_tokens, priority=priority, notify=wake.set,
@@ -221,7 +221,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             wake.clear()
         extra = None if connector is None else {
             "kv_transfer_params": None if legs is None else legs.hold(reqs[0])}
-        return web.Response(body=shape.full([output_text(0, r.num_output_tokens) for r in reqs],
+        return web.Response(body=shape.full([r.num_output_tokens for r in reqs],
                                             n_prompt, sum(r.num_output_tokens for r in reqs),
                                             extra, _cached(engine, reqs[0])),
                             content_type="application/json")
@@ -259,7 +259,7 @@ async def _stream(request: web.Request, reqs: list[SimRequest], wake: asyncio.Ev
                 if shape.chat and sent[index] == 0:
                     parts.append(shape.role_chunk(index))
                 last = req.max_tokens if req.status is Status.FINISHED else -1
-                parts += [shape.token_chunk(output_text(i, i + 1), i + 1 == last, index)
+                parts += [shape.token_chunk(i, i + 1 == last, index)
                           for i in range(sent[index], produced)]
                 sent[index] = produced
         if parts:

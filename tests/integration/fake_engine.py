@@ -3,12 +3,17 @@ for the failure modes the gateway must survive.
 
 It speaks the same API as vLLM (``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/models``, ``/health``, ``/metrics`` from the shared vLLM exposition writer) and records what it
-received. ``mode`` selects a behaviour for the next requests:
+received. A chat answer may first stream ``reasoning`` (one word per
+``reasoning_content`` delta; the JSON answer's ``message.reasoning_content``), and
+its ``reply`` words go in the delta field ``stream_field``: ``content``, or
+``tool_calls`` (pieces of one call's ``function.arguments``, after a piece with its
+``id`` and name); every answer ends with ``finish_reason``. ``mode`` selects a
+behaviour for the next requests:
 
 * ``ok``: the answer ``reply`` (streamed one word per chunk, usage when asked).
 * ``split_utf8``: the stream's bytes are written in 3-byte pieces, so multi-byte
   characters are cut between writes.
-* ``die_mid_stream``: two chunks, then the connection is dropped.
+* ``die_mid_stream``: ``die_at`` chunks (default two), then the connection is dropped.
 * ``slow_first``: waits ``delay_s`` before the first chunk (or the JSON answer).
 * ``stall``: two chunks (role, first word), then waits ``delay_s`` before the next.
 * ``error500``: answers HTTP 500.
@@ -40,11 +45,21 @@ from multidict import CIMultiDict
 from loadtest.sim_engine.metrics import EngineStats, VllmExposition
 
 
+def _pieces(text: str) -> list[str]:
+    """``text`` cut after each space: the words as an engine streams them."""
+    words = text.split(" ")
+    return [w + " " for w in words[:-1]] + words[-1:]
+
+
 @dataclass
 class FakeEngine:
     model: str = "fake-model"
     reply: str = "Hello from the fake engine, naïve café 日本語 🚀 done."
     mode: str = "ok"
+    reasoning: str = ""
+    stream_field: str = "content"
+    die_at: int = 2
+    finish_reason: str = "stop"
     kv_usage: float = 0.1
     delay_s: float = 0.0
     status: int = 500
@@ -146,8 +161,7 @@ class FakeEngine:
 
     def _words(self, body: dict[str, Any]) -> list[str]:
         cap = body.get("max_completion_tokens") or body.get("max_tokens")
-        words = self.reply.split(" ")[:cap]
-        return [w + " " for w in words[:-1]] + words[-1:]
+        return _pieces(" ".join(self.reply.split(" ")[:cap]))
 
     def _usage(self, body: dict[str, Any]) -> dict[str, int]:
         n = len(self._words(body))
@@ -155,9 +169,12 @@ class FakeEngine:
 
     def _full(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
         text = "".join(self._words(body))
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "stop", "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason,
+                                  "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if self.reasoning:
+                choice["message"]["reasoning_content"] = self.reasoning
         else:
             choice["text"] = text
         return {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion",
@@ -171,11 +188,21 @@ class FakeEngine:
         if chat:
             out.append({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                              "finish_reason": None}]})
-        for w in self._words(body):
-            choice = {"index": 0, "delta": {"content": w}} if chat else {"index": 0, "text": w}
-            out.append({**base, "choices": [{**choice, "finish_reason": None}]})
+        deltas = [{"reasoning_content": w} for w in _pieces(self.reasoning)] \
+            if self.reasoning else []
+        if self.stream_field == "tool_calls":
+            deltas.append({"tool_calls": [{"index": 0, "id": "call-1", "type": "function",
+                                           "function": {"name": "lookup", "arguments": ""}}]})
+            deltas += [{"tool_calls": [{"index": 0, "function": {"arguments": w}}]}
+                       for w in self._words(body)]
+        else:
+            deltas += [{"content": w} for w in self._words(body)]
+        for delta in deltas if chat else ():
+            out.append({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+        for w in () if chat else self._words(body):
+            out.append({**base, "choices": [{"index": 0, "text": w, "finish_reason": None}]})
         last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
-        out.append({**base, "choices": [{**last, "finish_reason": "stop"}]})
+        out.append({**base, "choices": [{**last, "finish_reason": self.finish_reason}]})
         if (body.get("stream_options") or {}).get("include_usage"):
             out.append({**base, "choices": [], "usage": self._usage(body)})
         return [b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n" for c in out] + [
@@ -197,7 +224,7 @@ class FakeEngine:
                 self.sent_bytes += 65536
                 await asyncio.sleep(self.delay_s)
         for i, chunk in enumerate(chunks):
-            if self.mode == "die_mid_stream" and i == 2:
+            if self.mode == "die_mid_stream" and i == self.die_at:
                 assert request.transport is not None
                 request.transport.abort()
                 return resp
