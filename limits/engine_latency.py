@@ -7,14 +7,25 @@ The decision (:func:`decide`, pure): an engine takes a request when
 1. the predicted TTFT — the engine's uncached prefill tokens not yet computed plus
    the request's own uncached tokens, at the sequences decoding there now — plus
    ``z`` standard deviations fits the request's remaining TTFT budget (its band's
-   target less the time it already waited); a request whose TTFT̂ misses even with
-   no prefill queued ahead of it is held until an engine has none queued (it gets
-   the best service there is rather than never being admitted). The rule needs a
-   TTFT fit of its own (:attr:`LatencyModel.ttft_trusted`): the prior is only an
-   order of magnitude (1 ms per prompt token, where a GPU takes a tenth of that and
-   this machine's CPU ten times as much), and holding a cold engine's burst to one
-   prefill at a time on its word would serialise what the engine batches (at best
-   effort, below, it applies before); and
+   target less the time it already waited). A request whose TTFT̂ misses even with no
+   prefill queued ahead of it (a prompt too long for its target, or one that has
+   already waited past its slack) is not held by this rule: waiting at the gateway
+   cannot bring its first token sooner, and the admission queue places in order with
+   no backfilling, so holding it until an engine has no prefill queued — which under
+   load happens rarely — holds every request behind it too. It goes to an engine
+   below its knee (rule 2), where the scheduler's prefill-backlog score puts it where
+   it starts soonest, unless placement sheds it as a predicted miss
+   (``gateway.placement``). At best effort (below) such a request still waits for an
+   engine with no prefill queued, since another engine may serve it in time. Seen
+   before this rule changed: on the Mooncake trace at twice its speed, requests that
+   had waited past their 2 s budget were held until an engine had nothing queued,
+   while the requests behind them queued 11–18 s at the gateway in front of engines
+   below their knees (issue 44). The rule needs a TTFT fit of its own
+   (:attr:`LatencyModel.ttft_trusted`): the prior is only an order of magnitude (1 ms
+   per prompt token, where a GPU takes a tenth of that and this machine's CPU ten
+   times as much), and holding a cold engine's burst to one prefill at a time on its
+   word would serialise what the engine batches (at best effort, below, it applies
+   before); and
 2. the predicted TPOT at one more request in flight — plus the room kept for more
    urgent bands (below) — plus ``z`` σ, stays within the tightest TPOT target among
    the requests already running there and the request's own; an engine with nothing
@@ -166,7 +177,12 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
     # an untrusted TTFT fit judges only at best effort, and on its mean
     ttft_z = z if model.ttft_trusted else 0.0
     judge = elsewhere if best_effort else model.ttft_trusted
-    if judge and ttft.upper(ttft_z) > max(ttft_budget_s, alone.upper(ttft_z)):
+    # late even alone, on an engine that serves its SLO: waiting cannot help it, so
+    # rule 1 does not hold it (module docstring); at best effort another engine
+    # may still serve it in time (``elsewhere``), so there it waits for no prefill
+    late = alone.upper(ttft_z) > ttft_budget_s
+    if (judge and (best_effort or not late)
+            and ttft.upper(ttft_z) > max(ttft_budget_s, alone.upper(ttft_z))):
         return Verdict(False, ttft, None, "ttft")
     if best_effort:
         return Verdict(True, ttft, None, best_effort=True)
@@ -420,6 +436,12 @@ class IntervalObservations:
 #: (hysteresis: a predicted TPOT within 10 % of the target is within its noise).
 BEST_EFFORT_EXIT = 0.9
 
+#: Time constant of the average of the engine's interval inter-token latencies that
+#: the fallback limiter reads, s (:meth:`EngineLatency.scraped`): a few prefills long,
+#: so the average reads the mean TPOT of the requests decoding through them rather
+#: than each prefill's slow steps (:mod:`limits.gradient`, on noise read as congestion).
+GRADIENT_ITL_TAU_S = 2.0
+
 #: Fewest decoded tokens in an interval for its mean inter-token latency to count.
 MIN_INTERVAL_TOKENS = 4
 
@@ -528,6 +550,8 @@ class EngineLatency:
         #: run (:meth:`scraped`)
         self._prefill_until = -math.inf
         self._best_effort: set[float] = set()  # TPOT targets served at best effort, s
+        #: the scrapes' inter-token latency averaged over GRADIENT_ITL_TAU_S, s
+        self._itl: float | None = None
 
     def best_effort(self, tpot_target_s: float) -> bool:
         """Whether requests of TPOT target ``tpot_target_s`` (s) are served at best
@@ -723,7 +747,13 @@ class EngineLatency:
         to long prompts TPOT̂(1) + z σ read above the target and engines fell to a
         limit of 1. Decode-only intervals fit the step time and the per-sequence
         cost without that error; the prefill interference is learned from the
-        requests the gateway sees end, whose prefills fall inside their decode."""
+        requests the gateway sees end, whose prefills fall inside their decode.
+
+        The fallback limiter reads every interval's inter-token latency, prefills
+        included (a request's TPOT is the average over its decode, slow steps and
+        all), averaged over :data:`GRADIENT_ITL_TAU_S`: read one interval at a time,
+        the prefills' slow steps held its limit near 8 on engines whose requests
+        decoded well within the target (:mod:`limits.gradient`)."""
         prev, self._counters = self._counters, counters
         if prev is None:
             return IntervalObservations()
@@ -738,9 +768,12 @@ class EngineLatency:
         if obs.tpot is not None:
             if clean:
                 self.model.observe_tpot(*obs.tpot, request=False)
+            w = 1.0 - math.exp(-(counters.at - prev.at) / GRADIENT_ITL_TAU_S)
+            self._itl = obs.tpot[0] if self._itl is None else self._itl + w * (
+                obs.tpot[0] - self._itl)
             tightest = self.tightest_tpot_s()
             if tightest is not None:
-                self.gradient.observe(obs.tpot[0], tightest, max(1, round(obs.tpot[1])))
+                self.gradient.observe(self._itl, tightest, max(1, round(obs.tpot[1])))
         if obs.ttft is not None:
             self.model.observe_ttft(*obs.ttft)
         return obs

@@ -357,9 +357,11 @@ async def _scrape(session: aiohttp.ClientSession, url: str) -> MetricsSnapshot |
 async def _admission_sample(session: aiohttp.ClientSession, url: str) -> dict | None:
     """The gateway's admission state from its ``url/metrics``: ``queued`` (requests
     waiting for admission, all models and bands) and per engine id ``[in flight from
-    this gateway, learned concurrency limit or None, admission mode]``
+    this gateway, learned concurrency limit or None, admission mode, KV events in
+    sync (1/0, None without a subscriber), KV-event losses so far]``
     (``sluice_engine_requests_in_flight``, ``sluice_engine_concurrency_limit``,
-    ``sluice_engine_admission_mode``); None when unreachable."""
+    ``sluice_engine_admission_mode``, ``sluice_engine_kv_events_synced``,
+    ``sluice_engine_kv_events_losses_total``); None when unreachable."""
     try:
         async with session.get(url.rstrip("/") + "/metrics",
                                timeout=aiohttp.ClientTimeout(total=5)) as r:
@@ -367,7 +369,8 @@ async def _admission_sample(session: aiohttp.ClientSession, url: str) -> dict | 
     except (TimeoutError, aiohttp.ClientError):
         return None
     wanted = ("sluice_engine_requests_in_flight", "sluice_engine_concurrency_limit",
-              "sluice_engine_admission_mode", "sluice_queue_depth")
+              "sluice_engine_admission_mode", "sluice_queue_depth",
+              "sluice_engine_kv_events_synced", "sluice_engine_kv_events_losses")
     lines = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
     queued = 0.0
     engines: dict[str, list] = {}
@@ -376,12 +379,16 @@ async def _admission_sample(session: aiohttp.ClientSession, url: str) -> dict | 
             if sm.name == "sluice_queue_depth":
                 queued += sm.value
                 continue
-            row = engines.setdefault(sm.labels["engine"], [0, None, None])
+            row = engines.setdefault(sm.labels["engine"], [0, None, None, None, 0])
             if sm.name == "sluice_engine_requests_in_flight":
                 row[0] = int(sm.value)
             elif sm.name == "sluice_engine_concurrency_limit":
                 row[1] = int(sm.value)
-            elif sm.value:
+            elif sm.name == "sluice_engine_kv_events_synced":
+                row[3] = int(sm.value)
+            elif sm.name == "sluice_engine_kv_events_losses_total":
+                row[4] = int(sm.value)
+            elif sm.name == "sluice_engine_admission_mode" and sm.value:
                 row[2] = sm.labels["mode"]
     return {"queued": int(queued), "engines": engines}
 
