@@ -15,8 +15,14 @@ Routing benchmark: ``--engines N --policy P`` replaces ``--target``: a gateway
 ``config/engines.yaml``), the workload is replayed through it, and the report adds
 ``ideal_hit_rate`` (unlimited cache, the replayed part of a Mooncake trace),
 ``ttft_p90_bound_ms`` (no routing or scheduling can give a lower p90 TTFT on those
-engines: :mod:`loadtest.ttft_bound`; None with ``--pd``) and the flat keys
-``ttft_p50_ms``, ``ttft_p90_ms``, ``ttft_p99_ms``.
+engines: :mod:`loadtest.ttft_bound`; None with ``--pd``), the flat keys
+``ttft_p50_ms``, ``ttft_p90_ms``, ``ttft_p99_ms``, and ``admission_series``: the
+gateway's admission state at each scrape (requests queued; per engine its in-flight
+count, learned concurrency limit, admission mode, KV-event sync and losses), which
+shows a queue held in front of engines with room. The benchmark has two regimes,
+both reported (``make bench-routing``, ``docs/results.md``): the Mooncake trace at
+its own speed (``--time-scale 1.0``) and at twice it (``--time-scale 0.5 --limit 1000
+--duration 400 --drain 120``), where the engines run near their knees.
 
 Several replicas: ``--gateways G`` (G ≥ 2, with ``--engines``) launches the ``N``
 simulated engines itself (each publishing KV-cache events) and a private
