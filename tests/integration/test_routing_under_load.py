@@ -30,8 +30,8 @@ BLOCK = 512
 def conversation_trace(path: Path, *, requests: int, span_s: float, seed: int = 0) -> Path:
     """A Mooncake-format trace (``timestamp`` ms, ``input_length``, ``output_length``,
     ``hash_ids``) of ``requests`` arrivals evenly spread over ``span_s`` s: prompts of
-    8–16 blocks (4k–8k tokens) after one shared system block, a third of them the next
-    turn of an earlier conversation (its blocks plus 1–3 new ones), 100–300 output
+    8–24 blocks (4k–12k tokens) after one shared system block, a third of them the next
+    turn of an earlier conversation (its blocks plus 1–3 new ones), 200–500 output
     tokens. The mix of the real trace (long prompts, few output tokens, reuse of
     earlier turns), shorter so that two engines see the same pressure in seconds."""
     rng = random.Random(seed)
@@ -44,29 +44,37 @@ def conversation_trace(path: Path, *, requests: int, span_s: float, seed: int = 
             ids = conversations[k] + list(range(next_id, next_id + rng.randint(1, 3)))
             conversations[k] = ids
         else:
-            ids = [0, *range(next_id, next_id + rng.randint(8, 16))]
+            ids = [0, *range(next_id, next_id + rng.randint(8, 24))]
             conversations.append(ids)
         next_id = max(next_id, max(ids) + 1)
         lines.append(json.dumps({"timestamp": round(1000 * i * span_s / requests),
                                  "input_length": BLOCK * len(ids) - rng.randint(0, BLOCK - 1),
-                                 "output_length": rng.randint(100, 300), "hash_ids": ids}))
+                                 "output_length": rng.randint(200, 500), "hash_ids": ids}))
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+#: the standard band's TTFT target, ms (the shipped ``slo``): a request waits at the
+#: gateway at most until its budget is spent, then it is placed or shed
+TTFT_TARGET_MS = 2000.0
 
 
 @pytest.mark.parametrize("policy", ["default", "round-robin"])
 def test_requests_do_not_queue_at_the_gateway_in_front_of_engines_with_room(
         tmp_path, policy) -> None:
-    trace = conversation_trace(tmp_path / "trace.jsonl", requests=160, span_s=40.0)
+    trace = conversation_trace(tmp_path / "trace.jsonl", requests=200, span_s=40.0)
     out = tmp_path / "report.json"
     assert replay(["--workload", str(trace), "--engines", "2", "--policy", policy,
                    "--time-scale", "1", "--sim-speed", "1", "--duration", "40",
                    "--drain", "90", "--scrape-interval", "0.5",
                    "--config-out", str(tmp_path / "config"), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["ok"] == report["requests"] == 160, report["shed_rate"]
-    # what waited at the gateway: nothing near the seconds main held requests for
-    assert report["queue_ms"]["p90"] < 500, report["queue_ms"]
+    assert report["requests"] == 200
+    # every request answered, or shed as one predicted to miss its TTFT target
+    assert set(report["shed_rate"]) <= {"503:overloaded"}, report["shed_rate"]
+    # no request waited at the gateway past its TTFT budget (main: up to 11-18 s on
+    # the real trace), with a scheduling margin for this shared machine
+    assert report["queue_ms"]["p99"] <= TTFT_TARGET_MS + 500, report["queue_ms"]
     # and never while an engine had nothing in flight from this gateway
     series = report["admission_series"]
     assert series
