@@ -295,7 +295,7 @@ class Placer:
                 uncached(e), budget, target.tpot_s,
                 loads[e.id],
                 max(0, keep - (total_free - free.get(e.id, 0))),
-                per_knee * knees.get(e.id, 0), elsewhere)
+                per_knee * knees.get(e.id, 0), elsewhere, ttft_target_s=target.ttft_s)
             if verdict.admit:
                 (best_effort if verdict.best_effort else within).append(e)
         if budget < best <= target.ttft_s:

@@ -39,7 +39,8 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
            decoding: int, in_flight: int, ttft_budget_s: float, tpot_target_s: float,
            tightest_running_tpot_s: float | None, z: float, limit: float | None = None,
            reserve: float = 0.0, sustained: float | None = None,
-           best_effort: bool = False, elsewhere: bool = True) -> Verdict:
+           best_effort: bool = False, elsewhere: bool = True,
+           ttft_target_s: float | None = None) -> Verdict:
     """Whether an engine takes a request (rules: docs/adaptive-admission.md, "The decision").
 
     Args:
@@ -67,17 +68,26 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
         elsewhere: another engine may serve the request within its SLO (else, at
             best effort, holding it back would only move its wait from this engine's
             queue to the gateway's: docs/adaptive-admission.md, "Best effort").
+        ttft_target_s: the request's band's TTFT target, s; a request late even with
+            no prefill queued is held by rule 1 only while the engine's decoding
+            alone makes it miss this target (None: never held for being late).
     """
     ttft = model.predict_ttft(pending_prefill_tokens + uncached_tokens, decoding)
     alone = model.predict_ttft(uncached_tokens, decoding)  # no prefill queued ahead
     # an untrusted TTFT fit judges only at best effort, and on its mean
     ttft_z = z if model.ttft_trusted else 0.0
     judge = elsewhere if best_effort else model.ttft_trusted
-    # late even alone, on an engine that serves its SLO: waiting cannot help it, so
-    # rule 1 does not hold it (module docstring); at best effort another engine
-    # may still serve it in time (``elsewhere``), so there it waits for no prefill
+    # late even with no prefill queued: waiting cannot help it when it has used up
+    # its slack (alone within the target) or its prompt is too long for the target
+    # even on an idle engine, so rule 1 does not hold it; it still waits for no
+    # prefill queued ahead where the engine's decoding alone makes it miss the target
+    # (more requests there would only make that worse), and at best effort, where
+    # another engine may serve it in time (``elsewhere``)
     late = alone.upper(ttft_z) > ttft_budget_s
-    if (judge and (best_effort or not late)
+    waited_out = late and (ttft_target_s is None or alone.upper(ttft_z) <= ttft_target_s
+                           or model.predict_ttft(uncached_tokens, 0).upper(ttft_z)
+                           > ttft_target_s)
+    if (judge and (best_effort or not waited_out)
             and ttft.upper(ttft_z) > max(ttft_budget_s, alone.upper(ttft_z))):
         return Verdict(False, ttft, None, "ttft")
     if best_effort:
@@ -302,7 +312,8 @@ class EngineLatency:
 
     def decide(self, uncached_tokens: int, ttft_budget_s: float, tpot_target_s: float,
                reported_load: int = 0, reserve: float = 0.0,
-               sustained: float | None = None, elsewhere: bool = True) -> Verdict:
+               sustained: float | None = None, elsewhere: bool = True,
+               ttft_target_s: float | None = None) -> Verdict:
         """:func:`decide` for this engine's state; ``reported_load`` (the requests on
         the engine, this process's and other clients' in its last report:
         :func:`engines.plugins.engine_load`) replaces the ledger's in-flight count
@@ -317,7 +328,8 @@ class EngineLatency:
                       tightest_running_tpot_s=self.tightest_tpot_s(), z=self.z,
                       limit=None if self.model.confident else self.gradient.limit,
                       reserve=reserve, sustained=sustained,
-                      best_effort=self.best_effort(tpot_target_s), elsewhere=elsewhere)
+                      best_effort=self.best_effort(tpot_target_s), elsewhere=elsewhere,
+                      ttft_target_s=ttft_target_s)
 
     # ------------------------------------------------------------------ the ledger
 

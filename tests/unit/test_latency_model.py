@@ -161,15 +161,22 @@ def test_decide_does_not_hold_a_request_that_misses_its_budget_even_alone() -> N
     may serve it in time)."""
     model = fitted()
     late = dict(uncached_tokens=200, decoding=2, tpot_target_s=0.1,
-                tightest_running_tpot_s=0.1, ttft_budget_s=0.1, z=0.0)
+                tightest_running_tpot_s=0.1, ttft_budget_s=0.1, z=0.0, ttft_target_s=1.0)
     assert decide(model, pending_prefill_tokens=5000, in_flight=3, **late).admit
     v = decide(model, pending_prefill_tokens=5000, in_flight=14, **late)  # over the knee
     assert not v.admit and v.reason == "tpot"
     long = dict(uncached_tokens=1500, decoding=1, in_flight=2, tpot_target_s=0.1,
-                tightest_running_tpot_s=0.1, ttft_budget_s=1.0, z=0.0)
-    assert model.predict_ttft(1500, 1).mean > 1.0
+                tightest_running_tpot_s=0.1, ttft_budget_s=1.0, z=0.0, ttft_target_s=1.0)
+    assert model.predict_ttft(1500, 0).mean > 1.0  # too long even on an idle engine
     assert decide(model, pending_prefill_tokens=0, **long).admit
     assert decide(model, pending_prefill_tokens=50, **long).admit
+    # in time alone on an idle engine, not at this engine's decode batch: more work
+    # there only makes that worse, so it waits for no prefill queued ahead
+    busy = {**long, "uncached_tokens": 400, "decoding": 150, "in_flight": 152}
+    assert model.predict_ttft(400, 0).mean < 1.0 < model.predict_ttft(400, 150).mean
+    v = decide(model, pending_prefill_tokens=50, limit=200.0, **busy)
+    assert not v.admit and v.reason == "ttft"
+    assert decide(model, pending_prefill_tokens=0, limit=200.0, **busy).admit
     at_best_effort = decide(model, pending_prefill_tokens=50, best_effort=True, **long)
     assert not at_best_effort.admit and at_best_effort.reason == "ttft"
     assert decide(model, pending_prefill_tokens=0, best_effort=True, **long).admit
