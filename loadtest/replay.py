@@ -364,10 +364,11 @@ async def _admission_sample(session: aiohttp.ClientSession, url: str) -> dict | 
     """The gateway's admission state from its ``url/metrics``: ``queued`` (requests
     waiting for admission, all models and bands) and per engine id ``[in flight from
     this gateway, learned concurrency limit or None, admission mode, KV events in
-    sync (1/0, None without a subscriber), KV-event losses so far]``
+    sync (1/0, None without a subscriber), KV-event losses so far, ready (1/0)]``
     (``sluice_engine_requests_in_flight``, ``sluice_engine_concurrency_limit``,
     ``sluice_engine_admission_mode``, ``sluice_engine_kv_events_synced``,
-    ``sluice_engine_kv_events_losses_total``); None when unreachable."""
+    ``sluice_engine_kv_events_losses_total``, ``sluice_engine_up``); None when
+    unreachable."""
     try:
         async with session.get(url.rstrip("/") + "/metrics",
                                timeout=aiohttp.ClientTimeout(total=5)) as r:
@@ -376,7 +377,8 @@ async def _admission_sample(session: aiohttp.ClientSession, url: str) -> dict | 
         return None
     wanted = ("sluice_engine_requests_in_flight", "sluice_engine_concurrency_limit",
               "sluice_engine_admission_mode", "sluice_queue_depth",
-              "sluice_engine_kv_events_synced", "sluice_engine_kv_events_losses")
+              "sluice_engine_kv_events_synced", "sluice_engine_kv_events_losses",
+              "sluice_engine_up")
     lines = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
     queued = 0.0
     engines: dict[str, list] = {}
@@ -385,7 +387,7 @@ async def _admission_sample(session: aiohttp.ClientSession, url: str) -> dict | 
             if sm.name == "sluice_queue_depth":
                 queued += sm.value
                 continue
-            row = engines.setdefault(sm.labels["engine"], [0, None, None, None, 0])
+            row = engines.setdefault(sm.labels["engine"], [0, None, None, None, 0, 0])
             if sm.name == "sluice_engine_requests_in_flight":
                 row[0] = int(sm.value)
             elif sm.name == "sluice_engine_concurrency_limit":
@@ -394,6 +396,8 @@ async def _admission_sample(session: aiohttp.ClientSession, url: str) -> dict | 
                 row[3] = int(sm.value)
             elif sm.name == "sluice_engine_kv_events_losses_total":
                 row[4] = int(sm.value)
+            elif sm.name == "sluice_engine_up":
+                row[5] = max(row[5], int(sm.value))
             elif sm.name == "sluice_engine_admission_mode" and sm.value:
                 row[2] = sm.labels["mode"]
     return {"queued": int(queued), "engines": engines}
