@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from cache.embedder import BatchingEmbedder
 from cache.exact import ExactCache
 from cache.interfaces import ByteStore
-from cache.keys import EndpointKind, make_key
+from cache.keys import CacheKey, EndpointKind, make_key
 from cache.policy import request_cacheable, response_storable
 from cache.semantic import SemanticCache
 from cache.stores import MemoryByteStore, RedisByteStore
@@ -46,6 +46,8 @@ class CacheRequest:
         body: the JSON body as sent to the engine; never modified.
         no_cache: ``Cache-Control: no-cache`` — skip the lookup.
         no_store: ``Cache-Control: no-store`` — do not keep the answer.
+        large: the body is large (``gateway.offload_bytes``): its key is computed in
+            a worker thread, off the event loop.
     """
 
     namespace: str
@@ -55,6 +57,7 @@ class CacheRequest:
     body: dict[str, Any]
     no_cache: bool = False
     no_store: bool = False
+    large: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,15 @@ class ResponseCache:
             log.warning("cache lookup failed, treated as a miss: %r", exc)
             return None
 
+    @staticmethod
+    async def _key(req: CacheRequest) -> CacheKey:
+        """:func:`make_key` (a hash of the whole body), in a worker thread for a
+        large body."""
+        args = (req.namespace, req.endpoint, req.model, req.body)
+        return await asyncio.to_thread(make_key, *args) if req.large else make_key(*args)
+
     async def _lookup(self, req: CacheRequest) -> CacheHit | None:
-        key = make_key(req.namespace, req.endpoint, req.model, req.body)
+        key = await self._key(req)
         response = await self.exact.get(key.exact)
         if response is not None:
             return CacheHit("exact", response)
@@ -128,7 +138,7 @@ class ResponseCache:
         return True
 
     async def _store(self, req: CacheRequest, response: dict[str, Any]) -> None:
-        key = make_key(req.namespace, req.endpoint, req.model, req.body)
+        key = await self._key(req)
         ttl_s = req.tenant.ttl_s or self.cfg.default_ttl_s
         await self.exact.put(key.exact, response, ttl_s)
         if self.semantic is not None and key.scope is not None and key.query is not None:

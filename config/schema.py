@@ -43,12 +43,15 @@ class _Strict(BaseModel):
 
 
 class Timeouts(_Strict):
-    """Upstream timeouts in seconds.
+    """Timeouts in seconds, upstream (engines) and of client connections.
 
     ``total_s`` is ``None`` by default: a steadily streaming answer is never cut;
     ``idle_s`` (gap between two complete SSE events; bytes that do not complete an
     event are no progress) and ``first_token_s`` catch a stuck engine.
     A non-streaming answer arrives in one piece, so it is bounded by ``non_stream_s``.
+    From clients: ``request_head_s`` bounds the request head, ``request_body_s`` the
+    body, ``client_write_s`` each write of a streamed answer (a client that stops
+    reading), ``keepalive_s`` an idle kept-alive connection.
     """
 
     connect_s: float = Field(5.0, gt=0)
@@ -57,6 +60,16 @@ class Timeouts(_Strict):
     total_s: float | None = Field(None, gt=0)
     non_stream_s: float = Field(600.0, gt=0)
     request_body_s: float = Field(30.0, gt=0, description="to receive the request body")
+    request_head_s: float = Field(
+        10.0, gt=0, description="to receive a request's head (request line and headers), "
+        "from the connection's opening or the first byte of a later request; then the "
+        "connection is closed")
+    client_write_s: float = Field(
+        60.0, gt=0, description="a streamed answer's write that the client does not take "
+        "within this long ends the request as a client disconnect (its slot is freed)")
+    keepalive_s: float = Field(
+        75.0, gt=0, description="an idle kept-alive client connection is closed after this "
+        "(nginx's keepalive_timeout default)")
 
 
 class LimitsConfig(_Strict):
@@ -64,13 +77,18 @@ class LimitsConfig(_Strict):
 
     ``store_url``: ``memory://`` (one process) or ``redis://host:port/db`` (shared by
     every gateway replica). ``redis_failure``: ``open`` falls back to a local limiter
-    while Redis is unreachable, ``closed`` rejects with 503.
+    while Redis is unreachable or refuses writes (read-only replica, ``OOM``,
+    ``MISCONF``), ``closed`` rejects with 503. ``max_pending_releases``: concurrency
+    slots released while Redis was down are kept (up to this many) and released in
+    Redis when it returns; past the bound the oldest free only when their lease expires.
     """
 
     store_url: str = "memory://"
     redis_failure: Literal["open", "closed"] = "open"
     lease_ttl_s: float = Field(600.0, gt=0, description="concurrency lease expiry, s")
     redis_timeout_s: float = Field(0.25, gt=0)
+    max_pending_releases: int = Field(
+        10_000, ge=1, description="slot releases kept while Redis is down, leases")
 
     @field_validator("store_url")
     @classmethod
@@ -153,8 +171,15 @@ class GatewayConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    offload_bytes: int = Field(
+        16 * 1024, ge=0, description="request bodies larger than this are parsed, tokenised, "
+        "hashed and serialised in a worker thread, off the event loop (that work costs "
+        "~0.3 µs per byte: 16 KiB ≈ 5 ms of loop time; 0: always)")
     max_event_bytes: int = Field(
         1024 * 1024, ge=1024, description="longest streamed SSE event from an engine, bytes")
+    max_response_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="longest non-streamed answer from an engine, "
+        "bytes; a longer one is a 502 (n × max_tokens of text with logprobs fits easily)")
     timeouts: Timeouts = Timeouts()
     limits: LimitsConfig = LimitsConfig()
     queue: QueueConfig = QueueConfig()
@@ -162,6 +187,10 @@ class GatewayConfig(_Strict):
     observability: ObservabilityConfig = ObservabilityConfig()
     admin_key_hashes: list[str] = Field(default_factory=list)
     retry_attempts: int = Field(2, ge=1, description="engines tried before the first byte")
+    max_sequences: int = Field(
+        256, ge=1, description="sequences one request may make the engine generate: "
+        "prompts × max(n, best_of) (gateway.openai_api.sequences); more is a 400. 256 is "
+        "vLLM's default max_num_seqs on GPU, one engine's whole batch")
     default_output_tokens: int = Field(
         256, ge=1, description="output tokens reserved when a request sets no output cap; "
         "for a tenant with tokens_per_min it also becomes the request's cap (lowered to "
@@ -205,6 +234,8 @@ class TenantQuota(_Strict):
     max_queue_wait_s: float | None = Field(None, gt=0)
     max_prompt_tokens: int | None = Field(None, ge=1)
     max_output_tokens: int | None = Field(None, ge=1)
+    max_sequences: int | None = Field(
+        None, ge=1, description="per request, below gateway.max_sequences; None: that one")
     allowed_models: list[str] | None = None
     cache_namespace: str | None = None
     cache: TenantCache = TenantCache()

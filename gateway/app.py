@@ -181,7 +181,8 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app[QUEUES] = {m: AdmissionQueue(model=m, config=cfg.gateway.queue, clock=clock)
                    for m in cfg.engines.model_names()}
     app[STORE] = open_store(limits.store_url, failure=limits.redis_failure,
-                            timeout_s=limits.redis_timeout_s)  # connects lazily
+                            timeout_s=limits.redis_timeout_s,  # connects lazily
+                            max_pending_releases=limits.max_pending_releases)
     app[LIMITER] = RateLimiter(store=app[STORE], lease_ttl_s=limits.lease_ttl_s)
     metrics = GatewayMetrics(models=cfg.engines.model_names(),
                              semantic=cache_cfg.enabled and cache_cfg.semantic.enabled)
@@ -265,6 +266,10 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg, worker = app[CONFIG], app[WORKER]
     session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+        # answers are relayed and parsed as they arrive: ask engines (and any proxy in
+        # front of them) for uncompressed bytes; aiohttp would otherwise offer gzip,
+        # deflate (and br) on every request, probes and scrapes included
+        headers={"Accept-Encoding": "identity"},
         auto_decompress=False,
     )
     app[SESSION] = session
@@ -291,7 +296,8 @@ async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
     app[DIRECTOR] = Director(
         cfg=cfg, pool=pool, scheduler=app[SCHEDULER],
         client=EngineClient(session=app[SESSION], timeouts=cfg.gateway.timeouts,
-                            max_event_bytes=cfg.gateway.max_event_bytes, clock=app[CLOCK]),
+                            max_event_bytes=cfg.gateway.max_event_bytes, clock=app[CLOCK],
+                            max_response_bytes=cfg.gateway.max_response_bytes),
         limiter=app[LIMITER], queues=queues,
         detector=SaturationDetector.from_config(cfg.engines), cache=cache,
         clock=app[CLOCK], spans=app[SPANS])

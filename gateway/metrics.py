@@ -199,7 +199,7 @@ class FleetCollector(Collector):
         pool: the engine pool.
         queues: the admission queues, ``{model: queue}``.
         metrics: for the per-engine prefix-match ratio.
-        store: the rate-limit counter store (its ``failovers`` count).
+        store: the rate-limit counter store (its ``failovers`` and ``pending_releases``).
         limiter: the rate limiter (its open reservations and held concurrency slots).
         tpot_target_s: the tightest TPOT target of the SLO bands, s (the target of the
             reported concurrency limit).
@@ -327,6 +327,11 @@ class FleetCollector(Collector):
         failovers = CounterMetricFamily("sluice_limits_store_failovers",
                                         "Times the shared counter store became unreachable.")
         failovers.add_metric([], self.store.failovers)
+        pending = GaugeMetricFamily(
+            "sluice_limits_pending_releases",
+            "Concurrency-slot releases waiting for the shared counter store to return "
+            "(replayed on recovery; limits.max_pending_releases bounds them).")
+        pending.add_metric([], self.store.pending_releases)
         reservations = GaugeMetricFamily(
             "sluice_ratelimit_reservations_open",
             "Rate-limit reservations this process took and has not settled and released.")
@@ -344,6 +349,6 @@ class FleetCollector(Collector):
             if e.id in legs:
                 held.add_metric([e.id, e.model], len(legs[e.id]))
         yield from (up, kv, running, waiting, in_flight, promised, restarts, breaker, prefix,
-                    signals, depth, queued, failovers, reservations, slots, held)
+                    signals, depth, queued, failovers, pending, reservations, slots, held)
         yield from self._adaptive()
         yield from self._cost()

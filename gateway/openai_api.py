@@ -161,6 +161,8 @@ class InferenceRequest:
             known (:meth:`measured`).
         prompt_exact: ``prompt_tokens`` comes from the engine's tokenizer.
         blocks: chained KV-block hashes of the prompt (prefix routing), or ().
+        large: the body is over ``gateway.offload_bytes``: work that grows with it
+            (tokenising, hashing, serialising) runs in a worker thread.
     """
 
     endpoint: Endpoint
@@ -172,6 +174,7 @@ class InferenceRequest:
     prompt_tokens: int
     prompt_exact: bool = False
     blocks: tuple[int, ...] = ()
+    large: bool = False
 
     @property
     def output_field(self) -> str:

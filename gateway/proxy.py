@@ -26,7 +26,7 @@ import email.utils
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,9 +56,53 @@ SSE_HEADERS = {
 class _RelayResponse(web.StreamResponse):
     """A stream response whose headers go out with its first body write (one send
     instead of two; the bytes on the wire are the same). ``prepare`` is only called
-    right before that first write, so nothing is held back."""
+    right before that first write, so nothing is held back.
+
+    Each write must be taken by the client within ``write_timeout_s``
+    (``timeouts.client_write_s``): a client that stops reading would otherwise hold
+    the write, the engine slot and the tenant's concurrency slot forever. Past it the
+    connection is aborted and the write raises :class:`ConnectionResetError` (a client
+    disconnect)."""
 
     _send_headers_immediately = False
+    write_timeout_s: float | None = None
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        await self._bounded(super().write(data))
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await self._bounded(super().write_eof(data))
+
+    async def _bounded(self, write: Awaitable[None]) -> None:
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await write
+        except TimeoutError:
+            request = self._req
+            if request is not None and request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError(
+                f"the client took no data for {self.write_timeout_s:g} s") from None
+
+
+#: Bytes of an engine's error answer read for its message; the rest is dropped.
+ERROR_BODY_BYTES = 64 * 1024
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """At most ``limit`` bytes of ``resp``'s body and whether that is all of it (a
+    longer body is not read further; the caller closes the response).
+
+    Raises:
+        aiohttp.ClientError: the connection failed while reading."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return b"", False
+    buf = bytearray()
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            return bytes(buf[:limit]), False
+    return bytes(buf), True
 
 
 class UpstreamFailed(Exception):
@@ -216,13 +260,16 @@ class EngineClient:
         session: the shared client session (not closed here).
         timeouts: connect, first-token, idle and total limits, s.
         max_event_bytes: longest stream event relayed, bytes.
+        max_response_bytes: longest non-streamed answer relayed, bytes.
         clock: measures TTFT, s (the app's clock). The timeouts are the event loop's
             timers (``asyncio.timeout``), so their deadlines are in ``loop.time()``.
     """
 
     def __init__(self, session: aiohttp.ClientSession, timeouts: Timeouts,
-                 max_event_bytes: int, clock: Clock) -> None:
+                 max_event_bytes: int, clock: Clock,
+                 max_response_bytes: int = 64 * 1024 * 1024) -> None:
         self.session = session
+        self.max_response_bytes = max_response_bytes
         self.clock = clock
         self.timeouts = timeouts
         self.max_event_bytes = max_event_bytes
@@ -243,14 +290,14 @@ class EngineClient:
         return json.dumps(body, ensure_ascii=False).encode()
 
     async def _open(self, engine: Engine, req: InferenceRequest, headers: Mapping[str, str],
-                    priority: int | None) -> aiohttp.ClientResponse:
+                    data: bytes) -> aiohttp.ClientResponse:
         # llama-server drops the connection after a stream while announcing keep-alive:
         # a pooled connection would fail the next request (engines.kinds.llamacpp)
         close = req.stream and KINDS[engine.labels.get("dialect", "vllm")].close_after_stream
         try:
             resp = await self.session.post(
                 engine.base_url + PATHS[req.endpoint],
-                data=self._upstream_body(req, priority),
+                data=data,
                 headers={"Content-Type": "application/json",
                          **({"Connection": "close"} if close else {}), **headers},
                 timeout=self._client_timeout,
@@ -258,12 +305,24 @@ class EngineClient:
         except (aiohttp.ClientConnectionError, OSError) as e:
             raise UpstreamFailed(Outcome.NO_ENGINE, f"engine {engine.id} unreachable: {e}",
                                  retryable=True) from None
+        encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):  # asked for identity (gateway.app's session)
+            resp.close()
+            log.error("engine %s answered with Content-Encoding %r although asked for "
+                      "identity; the gateway relays bytes as they arrive and cannot "
+                      "decode them", engine.id, encoding)
+            raise UpstreamFailed(Outcome.UPSTREAM_ERROR,
+                                 f"engine {engine.id} sent a {encoding}-encoded answer",
+                                 retryable=True)
         if resp.status >= 400:
             try:
-                raw = await resp.read()
+                raw, whole = await read_capped(resp, ERROR_BODY_BYTES)
             except aiohttp.ClientError:
-                raw = b""
-            resp.release()
+                raw, whole = b"", False
+            if whole:
+                resp.release()
+            else:
+                resp.close()
             raise engine_error(engine.id, resp.status, resp.headers, raw)
         return resp
 
@@ -284,12 +343,26 @@ class EngineClient:
                 closed first, which makes vLLM abort it.
         """
         start = self.clock.now()
+        data = await asyncio.to_thread(self._upstream_body, req, priority) if req.large \
+            else self._upstream_body(req, priority)
         try:
             async with asyncio.timeout(self.timeouts.first_token_s if req.stream
                                        else self.timeouts.non_stream_s):
-                resp = await self._open(engine, req, upstream_headers, priority)
+                resp = await self._open(engine, req, upstream_headers, data)
                 if not req.stream:
-                    raw = await resp.read()
+                    raw, whole = await read_capped(resp, self.max_response_bytes)
+                    if whole:
+                        resp.release()  # the connection goes back to the pool
+                    else:
+                        resp.close()
+                        raise UpstreamFailed(
+                            Outcome.UPSTREAM_ERROR,
+                            f"engine {engine.id}'s answer exceeds max_response_bytes",
+                            retryable=False, final=Rejected(
+                                Outcome.UPSTREAM_ERROR,
+                                "The engine's answer is longer than the gateway relays "
+                                f"({self.max_response_bytes} bytes); ask for fewer tokens "
+                                "or stream it."))
         except TimeoutError:
             raise UpstreamFailed(Outcome.UPSTREAM_TIMEOUT,
                                  f"engine {engine.id} did not answer in time",
@@ -335,6 +408,7 @@ class EngineClient:
         summary = StreamSummary(chat=req.endpoint == "chat")
         ttft: float | None = None
         out = _RelayResponse(status=200, headers={**SSE_HEADERS, **headers})
+        out.write_timeout_s = t.client_write_s
         outcome = Outcome.OK
         message: str | None = None
         prepared = False

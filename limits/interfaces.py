@@ -67,6 +67,9 @@ class CounterStore(Protocol):
     #: Times the store's backing service went from reachable to unreachable (0 for a
     #: store without one); exported as ``sluice_limits_store_failovers``.
     failovers: int
+    #: Concurrency-slot releases waiting for the backing service to return (0 for a
+    #: store without one); exported as ``sluice_limits_pending_releases``.
+    pending_releases: int
 
     async def take(self, buckets: Sequence[Bucket]) -> TakeResult:
         """All-or-nothing GCRA take: charge every bucket its ``cost`` only if each

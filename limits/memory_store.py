@@ -51,6 +51,7 @@ class MemoryStore:
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self.failovers = 0  # nothing to fail over from
+        self.pending_releases = 0  # every release lands at once
         self._tats: dict[str, float] = {}
         self._leases: dict[str, dict[str, float]] = {}
 

@@ -14,9 +14,13 @@ safe before writes.
   members are removed before counting, so a crashed replica's slots come back after
   ``ttl_s`` at most. The key itself expires with its last lease.
 
-Outages (connection refused, socket timeout) raise
-:class:`~limits.interfaces.StoreUnavailable`; sockets time out after ``timeout_s``
-so a dead Redis never holds a request for long.
+Outages raise :class:`~limits.interfaces.StoreUnavailable`: connection refused,
+socket timeout, and a Redis that answers but refuses the work (:func:`refuses_work`:
+a read-only replica after a failover ``READONLY``, ``maxmemory`` with ``noeviction``
+``OOM``, a failed snapshot ``MISCONF``, ``LOADING``, ``BUSY``, ``MASTERDOWN``,
+``NOREPLICAS``, ACL/auth refusals, …). Any other ``ResponseError`` (a script bug)
+propagates. Sockets time out after ``timeout_s`` so a dead Redis never holds a
+request for long.
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
+from redis.exceptions import (
+    AuthenticationError,
+    ClusterDownError,
+    MasterDownError,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -91,6 +106,27 @@ return 1
 """
 
 _OUTAGES = (RedisConnectionError, RedisTimeoutError, OSError)
+#: Error replies redis-py maps to their own classes that mean the server refuses work.
+_REFUSALS = (ReadOnlyError, OutOfMemoryError, MasterDownError, ClusterDownError,
+             TryAgainError, NoPermissionError, AuthenticationError)
+#: Leading error codes (Redis ``server.c``/``replication.c`` replies) of a server that
+#: refuses work, for the codes redis-py leaves as a plain ``ResponseError``; a
+#: script's ``redis.call`` error keeps the code at the start of the message.
+REFUSAL_CODES = ("READONLY", "OOM", "MISCONF", "LOADING", "BUSY", "MASTERDOWN",
+                 "NOREPLICAS", "CLUSTERDOWN", "TRYAGAIN", "NOAUTH", "NOPERM", "WRONGPASS")
+#: Key :meth:`RedisStore.ping` writes (with a 1 s expiry) to check that Redis accepts writes.
+PROBE_KEY = "sluice:probe"
+
+
+def refuses_work(error: RedisError) -> bool:
+    """Whether ``error`` means the Redis server answers but refuses the work (an
+    outage of the store: fail open or closed), as opposed to a bug in what was sent."""
+    if isinstance(error, (*_OUTAGES, *_REFUSALS)):
+        return True
+    if not isinstance(error, ResponseError):
+        return False
+    code = str(error).split(" ", 1)[0].upper()
+    return code in REFUSAL_CODES
 
 
 class RedisStore:
@@ -104,6 +140,7 @@ class RedisStore:
     def __init__(self, client: aioredis.Redis) -> None:
         self._client = client
         self.failovers = 0  # it raises StoreUnavailable; FailoverStore counts the outages
+        self.pending_releases = 0  # and keeps the releases that could not land
         self._take = client.register_script(_TAKE)
         self._adjust = client.register_script(_ADJUST)
         self._acquire = client.register_script(_ACQUIRE)
@@ -139,17 +176,33 @@ class RedisStore:
         return int(await self._run(self._acquire, [key], [lease_id, limit, ttl_s])) == 1
 
     async def release(self, key: str, lease_id: str) -> None:
+        await self.release_many([(key, lease_id)])
+
+    async def release_many(self, leases: Sequence[tuple[str, str]]) -> None:
+        """Remove each ``(key, lease id)`` in one pipelined round trip."""
+        if not leases:
+            return
         try:
-            await self._client.zrem(key, lease_id)
-        except _OUTAGES as e:
-            raise StoreUnavailable(str(e)) from e
+            async with self._client.pipeline(transaction=False) as pipe:
+                for key, lease_id in leases:
+                    pipe.zrem(key, lease_id)
+                await pipe.execute()
+        except (RedisError, OSError) as e:
+            _raise_if_outage(e)
+            raise
 
     async def ping(self) -> None:
-        """One round trip; raises :class:`StoreUnavailable` if Redis does not answer."""
+        """One write round trip (``SET`` :data:`PROBE_KEY` with a 1 s expiry): Redis
+        answers *and* accepts writes (a read-only replica or a full ``noeviction``
+        Redis answers ``PING`` but refuses every take).
+
+        Raises:
+            StoreUnavailable: it does not answer in time or refuses the write."""
         try:
-            await self._client.ping()
-        except _OUTAGES as e:
-            raise StoreUnavailable(str(e)) from e
+            await self._client.set(PROBE_KEY, b"1", px=1000)
+        except (RedisError, OSError) as e:
+            _raise_if_outage(e)
+            raise
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -158,5 +211,14 @@ class RedisStore:
     async def _run(script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
         try:
             return await script(keys=keys, args=args)
-        except _OUTAGES as e:
-            raise StoreUnavailable(str(e)) from e
+        except (RedisError, OSError) as e:
+            _raise_if_outage(e)
+            raise
+
+
+def _raise_if_outage(error: Exception) -> None:
+    """Raise :class:`StoreUnavailable` from ``error`` if it is an outage
+    (:func:`refuses_work`); return otherwise (the caller re-raises ``error``: a script
+    or logic bug is not an outage)."""
+    if isinstance(error, OSError) or (isinstance(error, RedisError) and refuses_work(error)):
+        raise StoreUnavailable(f"{type(error).__name__}: {error}") from error

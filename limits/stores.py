@@ -19,6 +19,7 @@ def open_store(
     failure: Literal["open", "closed"] = "open",
     timeout_s: float = 0.25,
     clock: Clock | None = None,
+    max_pending_releases: int = 10_000,
 ) -> CounterStore:
     """Open the store for ``url`` (``LimitsConfig.store_url``).
 
@@ -29,6 +30,8 @@ def open_store(
             local limiter, ``"closed"`` rejects with 503 ``overloaded``.
         timeout_s: Redis connect and read timeout, s (``LimitsConfig.redis_timeout_s``).
         clock: time source of the in-process store (default: monotonic).
+        max_pending_releases: bound of the releases kept for Redis while it is down
+            (``LimitsConfig.max_pending_releases``; see :class:`FailoverStore`).
 
     Raises:
         ValueError: any other scheme.
@@ -40,5 +43,5 @@ def open_store(
         return local
     if url.startswith(_REDIS_SCHEMES):
         return FailoverStore(RedisStore.from_url(url, timeout_s=timeout_s), local,
-                             failure=failure)
+                             failure=failure, max_pending_releases=max_pending_releases)
     raise ValueError(f"unsupported counter store URL {url!r}: use memory:// or redis://")

@@ -15,6 +15,11 @@ Faults, each held ``--hold`` s (default 8; ``--quick``: 3) then undone, with a
 * ``engine_hang`` — one engine stops producing tokens while its ``/health`` stays
   200 (the simulator's SIGUSR1 freeze; SIGUSR2 thaws it);
 * ``redis_restart`` — Redis stopped, then started again on the same port (empty);
+* ``redis_readonly`` — Redis made a read-only replica (``REPLICAOF`` a port nobody
+  listens on, as after a failover), answering every write ``READONLY``, then
+  made a primary again;
+* ``redis_paused`` — the Redis process stopped (SIGSTOP) while requests end, then
+  continued (SIGCONT): the releases made meanwhile must reach it (``leftovers``);
 * ``tenants_replace`` — ``tenants.yaml`` replaced atomically (``mv``) by an equal
   file with changed weights; ``tenants_truncate`` — then truncated to 0 bytes
   (a bad file: the running tenants must stay), and restored afterwards;
@@ -56,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import redis.asyncio as aioredis
 import yaml
 
 from loadtest.harness import (
@@ -71,7 +77,7 @@ from loadtest.harness import (
     trace_env,
     write_config,
 )
-from loadtest.launch import RedisServer, RunningGateway, gateway
+from loadtest.launch import RedisServer, RunningGateway, free_port, gateway
 from loadtest.report import write_json
 
 TENANTS = [
@@ -280,6 +286,23 @@ def make_faults(gw: RunningGateway, redis: RedisServer, cfg_dir: Path,
         await asyncio.sleep(hold_s)
         redis.start()
 
+    async def redis_readonly() -> None:
+        client = aioredis.Redis.from_url(redis.url)
+        try:
+            await client.replicaof("127.0.0.1", str(free_port()))
+            await asyncio.sleep(hold_s)
+        finally:
+            await client.replicaof("NO", "ONE")
+            await client.aclose()
+
+    async def redis_paused() -> None:
+        assert redis.proc is not None
+        redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(hold_s)
+        finally:
+            redis.proc.send_signal(signal.SIGCONT)
+
     async def tenants_replace() -> None:
         doc = yaml.safe_load(original)
         for t in doc["tenants"]:
@@ -313,8 +336,9 @@ def make_faults(gw: RunningGateway, redis: RedisServer, cfg_dir: Path,
         extra.append(await slow_read(gw.url, load.t0, random.Random(7)))
         await asyncio.sleep(max(0.0, hold_s / 2))
 
-    return {f.__name__: f for f in (engine_kill, engine_hang, redis_restart, tenants_replace,
-                                   tenants_truncate, client_disconnect, slow_reader)}
+    return {f.__name__: f for f in (engine_kill, engine_hang, redis_restart, redis_readonly,
+                                   redis_paused, tenants_replace, tenants_truncate,
+                                   client_disconnect, slow_reader)}
 
 
 # ----------------------------------------------------------------------------- run

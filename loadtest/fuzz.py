@@ -8,7 +8,11 @@ parts, token-id prompts, prompt lists, …) each either valid or wrong (wrong ty
 huge and tiny numbers, odd Unicode, deep nesting), raw bodies (duplicate keys,
 truncated or non-UTF-8 JSON, 10⁵-deep nesting, huge number literals) and odd
 headers (bad keys, ``x-request-timeout``, ``Cache-Control``), sent ``--concurrency``
-at a time (default 32).
+at a time (default 32). Bounded-work shapes (:func:`sequence_body`, :func:`huge_body`):
+sequence multipliers (completions prompt lists × ``n`` × ``best_of`` around
+``gateway.max_sequences``) and, one request in :data:`HUGE_ONE_IN`, a prompt of 1 to
+8.5 MB (over the 8 MiB body limit: 413). The simulated engines compress their
+answers whenever asked (``--compress``): the gateway must ask for ``identity``.
 
 Invariants, per request (:func:`check`): no 5xx other than load shedding
 (``server_errors``); every error an OpenAI error object; a stream ends with
@@ -217,12 +221,64 @@ extra_headers = st.dictionaries(
                      "x" * 300]), max_size=2)
 
 
+#: one request in this many carries a huge prompt (:func:`huge_body`)
+HUGE_ONE_IN = 500
+#: huge prompt sizes, bytes: under and over the shipped 8 MiB ``max_body_bytes``
+HUGE_BYTES = [1 << 20, 4 << 20, 6_500_000, 8_500_000]
+
+
+@st.composite
+def sequence_body(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    """(path, body) multiplying sequences: a completions prompt list of up to 5,000
+    prompts or a chat, times ``n`` and ``best_of`` up to 128 (and just over), so the
+    products fall on both sides of ``gateway.max_sequences`` (256)."""
+    n = draw(st.sampled_from([None, 1, 2, 8, 16, 64, 128, 129]))
+    best_of = draw(st.sampled_from([None, 1, 2, 16, 128]))
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": draw(st.integers(1, 3)),
+                            "stream": draw(st.booleans())}
+    if n is not None:
+        body["n"] = n
+    if best_of is not None:
+        body["best_of"] = best_of
+    if draw(st.booleans()):
+        body["messages"] = [{"role": "user", "content": draw(text)}]
+        return "/v1/chat/completions", body
+    prompts = draw(st.sampled_from([1, 2, 16, 128, 257, 1000, 5000]))
+    ids = draw(st.booleans())
+    body["prompt"] = [[7, 8, 9]] * prompts if ids else ["Say hi."] * prompts
+    return "/v1/completions", body
+
+
+@st.composite
+def huge_body(draw: st.DrawFn) -> tuple[str, bytes]:
+    """(path, body bytes) with one prompt of :data:`HUGE_BYTES` bytes (repeated text,
+    ASCII or multi-byte), chat or completions, streamed or not."""
+    size = draw(st.sampled_from(HUGE_BYTES))
+    word = draw(st.sampled_from(["lorem ipsum ", "日本語のテキスト ", "x"]))
+    prompt = word * (size // len(word.encode()))
+    stream = draw(st.booleans())
+    if draw(st.booleans()):
+        body = {"model": MODEL, "max_tokens": 2, "stream": stream,
+                "messages": [{"role": "user", "content": prompt}]}
+        return "/v1/chat/completions", json.dumps(body, ensure_ascii=False).encode()
+    body = {"model": MODEL, "max_tokens": 2, "stream": stream, "prompt": prompt}
+    return "/v1/completions", json.dumps(body, ensure_ascii=False).encode()
+
+
 @st.composite
 def requests(draw: st.DrawFn) -> FuzzRequest:
-    """A hostile or odd request: mostly chat/completions JSON, some raw bytes, a few
-    to the wrong path."""
-    kind = draw(st.sampled_from(["chat"] * 5 + ["completions"] * 4 + ["raw"] * 2))
-    if kind == "raw":
+    """A hostile or odd request: mostly chat/completions JSON, some raw bytes, some
+    sequence multipliers, a few to the wrong path, rarely a huge prompt."""
+    kind = draw(st.sampled_from(["chat"] * 5 + ["completions"] * 4 + ["raw"] * 2
+                                + ["sequences"]))
+    if draw(st.randoms(use_true_random=False)).randrange(HUGE_ONE_IN) == 0:
+        kind = "huge"
+    if kind == "huge":
+        path, body = draw(huge_body())
+    elif kind == "sequences":
+        path, obj = draw(sequence_body())
+        body = _encode(obj)
+    elif kind == "raw":
         body = draw(_raw_bodies())
         path = draw(st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
     else:
@@ -306,10 +362,11 @@ def describe(req: FuzzRequest, ans: Answer) -> str:
 
 def stand_config(directory: Path, otlp_endpoint: str, *, engines: int = 2,
                  speed: float = 50.0) -> Path:
-    """The fuzz stand: ``engines`` simulators at ``speed`` × the CPU profile, tracing
-    to ``otlp_endpoint``, the :data:`TENANTS`."""
+    """The fuzz stand: ``engines`` simulators at ``speed`` × the CPU profile that
+    compress their answers when asked (``--compress``), tracing to ``otlp_endpoint``,
+    the :data:`TENANTS`."""
     return write_config(
-        directory, engines=sim_engines(engines, speed), tenants=TENANTS,
+        directory, engines=sim_engines(engines, speed, "--compress"), tenants=TENANTS,
         gateway={"observability": {"access_log": False, "tracing": True,
                                    "otlp_endpoint": otlp_endpoint},
                  "timeouts": {"request_body_s": 5}},

@@ -50,6 +50,7 @@ LEAK_SERIES = (
     "sluice_engine_promised_kv_blocks",    # KV blocks promised to in-flight requests
     "sluice_ratelimit_concurrency_slots_held",  # concurrency slots held by this gateway
     "sluice_ratelimit_reservations_open",     # token reservations not yet settled
+    "sluice_limits_pending_releases",         # slot releases not yet in Redis
 )
 #: Engine gauges (vLLM names, also the simulator's) that must read 0 once the
 #: gateway is idle: a request the gateway gave up on must have been aborted.

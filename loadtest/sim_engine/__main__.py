@@ -55,6 +55,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens")
+    p.add_argument("--compress", action="store_true",
+                   help="compress answers (gzip/deflate) when Accept-Encoding allows it")
     args = p.parse_args(argv)
     if args.role != "both" and args.kv_connector is None:
         p.error("--role prefill/decode needs --kv-connector")
@@ -74,7 +76,8 @@ async def _serve_forever(args: argparse.Namespace) -> None:
     connector = None if args.kv_connector is None else SimConnector(
         engine, args.role, args.kv_transfer_gbps, args.kv_lease_s,
         args.kv_load_failure_policy)
-    runner = await serve(engine, args.host, args.port, connector, args.dialect)
+    runner = await serve(engine, args.host, args.port, connector, args.dialect,
+                         args.compress)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

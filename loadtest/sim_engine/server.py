@@ -16,6 +16,10 @@ With a KV connector (:mod:`loadtest.sim_engine.disagg`) requests may carry
 non-streamed response carries ``kv_transfer_params`` (null when there are none, as
 vLLM's), and ``POST /sim/nixl/read`` serves other engines' reads. ``X-Request-Id``
 becomes the response id, as in vLLM.
+
+With ``compress`` (``--compress``) every answer, streams included, is compressed
+(gzip or deflate) whenever the request's ``Accept-Encoding`` allows it, as an engine
+behind nginx or a CDN would: a client that offers gzip must be able to decode it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -55,6 +59,7 @@ from loadtest.sim_engine.scheduler import SimRequest, Status
 
 ENGINE = web.AppKey("sim_engine", SimEngine)
 DIALECT = web.AppKey("sim_dialect", Dialect)
+COMPRESS = web.AppKey("sim_compress", bool)
 
 #: Prompts longer than this (characters or token ids) are tokenised and hashed in
 #: a worker thread so the event loop keeps serving streams meanwhile (~8 MB/s).
@@ -63,15 +68,28 @@ INLINE_PROMPT_LIMIT = 16_384
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
+@web.middleware
+async def _compress(request: web.Request,
+                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                    ) -> web.StreamResponse:
+    response = await handler(request)
+    if not response.prepared:
+        response.enable_compression()  # only what Accept-Encoding allows
+    return response
+
+
 def create_app(engine: SimEngine, connector: SimConnector | None = None,
-               dialect: str = "vllm") -> web.Application:
+               dialect: str = "vllm", compress: bool = False) -> web.Application:
     """The aiohttp app serving ``engine`` (and ``connector``'s read channel, if any) in
     ``dialect`` (:data:`~loadtest.sim_engine.dialects.DIALECTS`: which routes exist, the
-    metrics page, the error form); its step loop runs in ``cleanup_ctx``."""
+    metrics page, the error form), compressing answers when asked if ``compress``; its
+    step loop runs in ``cleanup_ctx``."""
     d = DIALECTS[dialect]
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app = web.Application(client_max_size=MAX_BODY_BYTES,
+                          middlewares=[_compress] if compress else [])
     app[ENGINE] = engine
     app[DIALECT] = d
+    app[COMPRESS] = compress
     if connector is not None:
         app[CONNECTOR] = connector
         app.router.add_post(READ_PATH, handle_read)
@@ -93,13 +111,14 @@ def create_app(engine: SimEngine, connector: SimConnector | None = None,
 
 
 async def serve(engine: SimEngine, host: str, port: int,
-                connector: SimConnector | None = None, dialect: str = "vllm") -> web.AppRunner:
+                connector: SimConnector | None = None, dialect: str = "vllm",
+                compress: bool = False) -> web.AppRunner:
     """Start serving ``engine`` on ``host:port`` in ``dialect``; returns the runner
     (``cleanup()`` to stop). ``connector`` advertises ``host:port`` as its read channel."""
     if connector is not None:
         connector.host, connector.port = host, port
-    runner = web.AppRunner(create_app(engine, connector, dialect), handler_cancellation=True,
-                           access_log=None)
+    runner = web.AppRunner(create_app(engine, connector, dialect, compress),
+                           handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
@@ -225,6 +244,8 @@ async def _stream(request: web.Request, reqs: list[SimRequest], wake: asyncio.Ev
     """Stream the ``n`` sequences of one request, each as choice ``index`` i."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache"})
+    if request.app[COMPRESS]:
+        resp.enable_compression()  # only what Accept-Encoding allows
     await resp.prepare(request)
     sent = [0] * len(reqs)
     while True:

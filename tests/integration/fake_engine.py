@@ -18,6 +18,11 @@ received. ``mode`` selects a behaviour for the next requests:
 * ``unbounded_event``: a chat stream's role chunk and first word (a completions
   stream: nothing), then ``data: {"x":"`` and 64 KiB of text every ``delay_s``, never a blank line,
   until the client goes away (``sent_bytes`` counts what was written).
+
+``compress``, independent of ``mode``: ``"asked"`` compresses every answer (JSON,
+streams, probes) with gzip or deflate when the request's ``Accept-Encoding`` allows it,
+as aiohttp, vLLM behind nginx or a CDN does; ``"always"`` gzips the inference answers
+whatever was asked (a misbehaving proxy; probes stay plain).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web import ContentCoding
 from multidict import CIMultiDict
 
 from loadtest.sim_engine.metrics import EngineStats, VllmExposition
@@ -45,6 +51,7 @@ class FakeEngine:
     error_message: str = "boom"
     error_headers: dict[str, str] = field(default_factory=dict)
     raw_body: bytes = b""
+    compress: str = ""
     sent_bytes: int = 0
     running: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
@@ -63,7 +70,8 @@ class FakeEngine:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self, port: int = 0) -> FakeEngine:
-        app = web.Application(client_max_size=64 * 1024 * 1024)  # vLLM has no 1 MiB cap
+        app = web.Application(client_max_size=64 * 1024 * 1024,  # vLLM has no 1 MiB cap
+                              middlewares=[self._compress])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
@@ -80,6 +88,19 @@ class FakeEngine:
         if self.runner is not None:
             await self.runner.cleanup()
             self.runner = None
+
+    def _encode(self, response: web.StreamResponse, path: str) -> web.StreamResponse:
+        """Apply ``compress`` to a response to ``path`` not sent yet."""
+        if self.compress == "asked":
+            response.enable_compression()  # only what Accept-Encoding allows
+        elif self.compress == "always" and path.startswith("/v1/c"):
+            response.enable_compression(ContentCoding.gzip)
+        return response
+
+    @web.middleware
+    async def _compress(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        response = await handler(request)
+        return response if response.prepared else self._encode(response, request.path)
 
     # ---------------------------------------------------------------- handlers
 
@@ -161,7 +182,8 @@ class FakeEngine:
             b"data: [DONE]\n\n"]
 
     async def _stream(self, request: web.Request, body: dict[str, Any], chat: bool) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        resp = self._encode(web.StreamResponse(headers={"Content-Type": "text/event-stream"}),
+                            request.path)
         await resp.prepare(request)
         chunks = self._chunks(body, chat)
         if self.mode == "slow_first":

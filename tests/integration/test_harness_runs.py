@@ -30,8 +30,8 @@ def _run(tmp_path: Path, *args: str) -> tuple[dict, str]:
 def test_faults_quick_loses_nothing(tmp_path: Path) -> None:
     r, log = _run(tmp_path, "faults", "--quick")
     assert set(r["per_fault"]) == {"baseline", "engine_kill", "engine_hang", "redis_restart",
-                                   "tenants_replace", "tenants_truncate", "client_disconnect",
-                                   "slow_reader"}
+                                   "redis_readonly", "redis_paused", "tenants_replace",
+                                   "tenants_truncate", "client_disconnect", "slow_reader"}
     assert r["accepted"] == r["completed"] + r["failed_cleanly"] + r["lost"]
     assert r["accepted"] == sum(f["accepted"] for f in r["per_fault"].values())
     assert r["completed"] > r["accepted"] / 2, r  # the load was served, not just refused
