@@ -72,9 +72,9 @@ def held_in_front_of_room(series: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("policy", ["default", "round-robin"])
 def test_requests_do_not_queue_at_the_gateway_in_front_of_engines_with_room(
         tmp_path, policy) -> None:
-    """Main (6f310e7) on this replay: requests queued with an engine more than two
-    below its knee at 54 (default) and 10 (round-robin) of ~105 samples, gateway wait
-    p50 10 s, goodput 6-7 %; with the fix none, p50 at most about 1 s, goodput 72-100 %."""
+    """Main (6f310e7) on this replay, twice: gateway wait p50 7-10 s, goodput 6-8 %, and
+    requests queued with an engine more than two below its knee at 1-54 of ~105
+    samples; with the fix none, wait p50 at most about 1 s, goodput 72-100 %."""
     trace = conversation_trace(tmp_path / "trace.jsonl", requests=200, span_s=40.0)
     out = tmp_path / "report.json"
     assert replay(["--workload", str(trace), "--engines", "2", "--policy", policy,
