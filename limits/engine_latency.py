@@ -39,7 +39,8 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
            decoding: int, in_flight: int, ttft_budget_s: float, tpot_target_s: float,
            tightest_running_tpot_s: float | None, z: float, limit: float | None = None,
            reserve: float = 0.0, sustained: float | None = None,
-           best_effort: bool = False, elsewhere: bool = True) -> Verdict:
+           best_effort: bool = False, elsewhere: bool = True,
+           ttft_target_s: float | None = None) -> Verdict:
     """Whether an engine takes a request (rules: docs/adaptive-admission.md, "The decision").
 
     Args:
@@ -67,13 +68,27 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
         elsewhere: another engine may serve the request within its SLO (else, at
             best effort, holding it back would only move its wait from this engine's
             queue to the gateway's: docs/adaptive-admission.md, "Best effort").
+        ttft_target_s: the request's band's TTFT target, s; a request late even with
+            no prefill queued is held by rule 1 only while the engine's decoding
+            alone makes it miss this target (None: never held for being late).
     """
     ttft = model.predict_ttft(pending_prefill_tokens + uncached_tokens, decoding)
     alone = model.predict_ttft(uncached_tokens, decoding)  # no prefill queued ahead
     # an untrusted TTFT fit judges only at best effort, and on its mean
     ttft_z = z if model.ttft_trusted else 0.0
     judge = elsewhere if best_effort else model.ttft_trusted
-    if judge and ttft.upper(ttft_z) > max(ttft_budget_s, alone.upper(ttft_z)):
+    # late even with no prefill queued: waiting cannot help it when it has used up
+    # its slack (alone within the target) or its prompt is too long for the target
+    # even on an idle engine, so rule 1 does not hold it; it still waits for no
+    # prefill queued ahead where the engine's decoding alone makes it miss the target
+    # (more requests there would only make that worse), and at best effort, where
+    # another engine may serve it in time (``elsewhere``)
+    late = alone.upper(ttft_z) > ttft_budget_s
+    waited_out = late and (ttft_target_s is None or alone.upper(ttft_z) <= ttft_target_s
+                           or model.predict_ttft(uncached_tokens, 0).upper(ttft_z)
+                           > ttft_target_s)
+    if (judge and (best_effort or not waited_out)
+            and ttft.upper(ttft_z) > max(ttft_budget_s, alone.upper(ttft_z))):
         return Verdict(False, ttft, None, "ttft")
     if best_effort:
         return Verdict(True, ttft, None, best_effort=True)
@@ -114,6 +129,12 @@ class IntervalObservations:
 #: Best effort for a TPOT target ends when TPOT̂(1) + z σ falls under this fraction of it
 #: (hysteresis: a predicted TPOT within 10 % of the target is within its noise).
 BEST_EFFORT_EXIT = 0.9
+
+#: Time constant of the average of the engine's interval inter-token latencies that
+#: the fallback limiter reads, s (:meth:`EngineLatency.scraped`): a few prefills long,
+#: so the average reads the mean TPOT of the requests decoding through them rather
+#: than each prefill's slow steps (:mod:`limits.gradient`, on noise read as congestion).
+GRADIENT_ITL_TAU_S = 2.0
 
 #: Fewest decoded tokens in an interval for its mean inter-token latency to count.
 MIN_INTERVAL_TOKENS = 4
@@ -224,6 +245,8 @@ class EngineLatency:
         #: run (:meth:`scraped`)
         self._prefill_until = -math.inf
         self._best_effort: set[float] = set()  # TPOT targets served at best effort, s
+        #: the scrapes' inter-token latency averaged over GRADIENT_ITL_TAU_S, s
+        self._itl: float | None = None
 
     def best_effort(self, tpot_target_s: float) -> bool:
         """Whether requests of TPOT target ``tpot_target_s`` (s) are served at best
@@ -289,7 +312,8 @@ class EngineLatency:
 
     def decide(self, uncached_tokens: int, ttft_budget_s: float, tpot_target_s: float,
                reported_load: int = 0, reserve: float = 0.0,
-               sustained: float | None = None, elsewhere: bool = True) -> Verdict:
+               sustained: float | None = None, elsewhere: bool = True,
+               ttft_target_s: float | None = None) -> Verdict:
         """:func:`decide` for this engine's state; ``reported_load`` (the requests on
         the engine, this process's and other clients' in its last report:
         :func:`engines.plugins.engine_load`) replaces the ledger's in-flight count
@@ -304,7 +328,8 @@ class EngineLatency:
                       tightest_running_tpot_s=self.tightest_tpot_s(), z=self.z,
                       limit=None if self.model.confident else self.gradient.limit,
                       reserve=reserve, sustained=sustained,
-                      best_effort=self.best_effort(tpot_target_s), elsewhere=elsewhere)
+                      best_effort=self.best_effort(tpot_target_s), elsewhere=elsewhere,
+                      ttft_target_s=ttft_target_s)
 
     # ------------------------------------------------------------------ the ledger
 
@@ -419,7 +444,13 @@ class EngineLatency:
         to long prompts TPOT̂(1) + z σ read above the target and engines fell to a
         limit of 1. Decode-only intervals fit the step time and the per-sequence
         cost without that error; the prefill interference is learned from the
-        requests the gateway sees end, whose prefills fall inside their decode."""
+        requests the gateway sees end, whose prefills fall inside their decode.
+
+        The fallback limiter reads every interval's inter-token latency, prefills
+        included (a request's TPOT is the average over its decode, slow steps and
+        all), averaged over :data:`GRADIENT_ITL_TAU_S`: read one interval at a time,
+        the prefills' slow steps held its limit near 8 on engines whose requests
+        decoded well within the target (:mod:`limits.gradient`)."""
         prev, self._counters = self._counters, counters
         if prev is None:
             return IntervalObservations()
@@ -434,9 +465,12 @@ class EngineLatency:
         if obs.tpot is not None:
             if clean:
                 self.model.observe_tpot(*obs.tpot, request=False)
+            w = 1.0 - math.exp(-(counters.at - prev.at) / GRADIENT_ITL_TAU_S)
+            self._itl = obs.tpot[0] if self._itl is None else self._itl + w * (
+                obs.tpot[0] - self._itl)
             tightest = self.tightest_tpot_s()
             if tightest is not None:
-                self.gradient.observe(obs.tpot[0], tightest, max(1, round(obs.tpot[1])))
+                self.gradient.observe(self._itl, tightest, max(1, round(obs.tpot[1])))
         if obs.ttft is not None:
             self.model.observe_ttft(*obs.ttft)
         return obs

@@ -15,8 +15,14 @@ Routing benchmark: ``--engines N --policy P`` replaces ``--target``: a gateway
 ``config/engines.yaml``), the workload is replayed through it, and the report adds
 ``ideal_hit_rate`` (unlimited cache, the replayed part of a Mooncake trace),
 ``ttft_p90_bound_ms`` (no routing or scheduling can give a lower p90 TTFT on those
-engines: :mod:`loadtest.ttft_bound`; None with ``--pd``) and the flat keys
-``ttft_p50_ms``, ``ttft_p90_ms``, ``ttft_p99_ms``.
+engines: :mod:`loadtest.ttft_bound`; None with ``--pd``), the flat keys
+``ttft_p50_ms``, ``ttft_p90_ms``, ``ttft_p99_ms``, and ``admission_series``: the
+gateway's admission state at each scrape (requests queued; per engine its in-flight
+count, learned concurrency limit, admission mode, KV-event sync and losses), which
+shows a queue held in front of engines with room. The benchmark has two regimes,
+both reported (``make bench-routing``, ``docs/results.md``): the Mooncake trace at
+its own speed (``--time-scale 1.0``) and at twice it (``--time-scale 0.5 --limit 1000
+--duration 400 --drain 120``), where the engines run near their knees.
 
 Several replicas: ``--gateways G`` (G ≥ 2, with ``--engines``) launches the ``N``
 simulated engines itself (each publishing KV-cache events) and a private
@@ -204,11 +210,15 @@ class Replayer:
     """
 
     def __init__(self, target: str | Sequence[str], api_keys: dict[str, list[str]],
-                 duration_s: float, drain_s: float = 30.0) -> None:
+                 duration_s: float, drain_s: float = 30.0,
+                 gateway_metrics: str | None = None) -> None:
         self.targets = [t.rstrip("/") for t in ([target] if isinstance(target, str) else target)]
         self.api_keys = api_keys
         self.duration_s = duration_s
         self.drain_s = drain_s
+        self.gateway_metrics = gateway_metrics
+        #: the gateway's admission state at each scrape (:func:`_admission_sample`)
+        self.admission: list[dict] = []
 
     def _headers(self, spec: RequestSpec) -> dict[str, str]:
         keys = self.api_keys.get(spec.tenant) or []
@@ -321,6 +331,10 @@ class Replayer:
                 if m is not None:
                     e.samples.append(EngineSample(t, m.num_running, m.num_waiting,
                                                   m.kv_cache_usage or 0.0))
+            if self.gateway_metrics:
+                sample = await _admission_sample(session, self.gateway_metrics)
+                if sample is not None:
+                    self.admission.append({"t_s": round(t, 2), **sample})
             await asyncio.sleep(interval_s)
 
 
@@ -345,6 +359,49 @@ async def _scrape(session: aiohttp.ClientSession, url: str) -> MetricsSnapshot |
             return parse_metrics(await r.text(), time.monotonic())
     except (TimeoutError, aiohttp.ClientError, ValueError):
         return None
+
+
+async def _admission_sample(session: aiohttp.ClientSession, url: str) -> dict | None:
+    """The gateway's admission state from its ``url/metrics``: ``queued`` (requests
+    waiting for admission, all models and bands) and per engine id ``[in flight from
+    this gateway, learned concurrency limit or None, admission mode, KV events in
+    sync (1/0, None without a subscriber), KV-event losses so far, ready (1/0)]``
+    (``sluice_engine_requests_in_flight``, ``sluice_engine_concurrency_limit``,
+    ``sluice_engine_admission_mode``, ``sluice_engine_kv_events_synced``,
+    ``sluice_engine_kv_events_losses_total``, ``sluice_engine_up``); None when
+    unreachable."""
+    try:
+        async with session.get(url.rstrip("/") + "/metrics",
+                               timeout=aiohttp.ClientTimeout(total=5)) as r:
+            text = await r.text()
+    except (TimeoutError, aiohttp.ClientError):
+        return None
+    wanted = ("sluice_engine_requests_in_flight", "sluice_engine_concurrency_limit",
+              "sluice_engine_admission_mode", "sluice_queue_depth",
+              "sluice_engine_kv_events_synced", "sluice_engine_kv_events_losses",
+              "sluice_engine_up")
+    lines = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
+    queued = 0.0
+    engines: dict[str, list] = {}
+    for family in text_string_to_metric_families(lines):
+        for sm in family.samples:
+            if sm.name == "sluice_queue_depth":
+                queued += sm.value
+                continue
+            row = engines.setdefault(sm.labels["engine"], [0, None, None, None, 0, 0])
+            if sm.name == "sluice_engine_requests_in_flight":
+                row[0] = int(sm.value)
+            elif sm.name == "sluice_engine_concurrency_limit":
+                row[1] = int(sm.value)
+            elif sm.name == "sluice_engine_kv_events_synced":
+                row[3] = int(sm.value)
+            elif sm.name == "sluice_engine_kv_events_losses_total":
+                row[4] = int(sm.value)
+            elif sm.name == "sluice_engine_up":
+                row[5] = max(row[5], int(sm.value))
+            elif sm.name == "sluice_engine_admission_mode" and sm.value:
+                row[2] = sm.labels["mode"]
+    return {"queued": int(queued), "engines": engines}
 
 
 async def _transfers(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
@@ -547,10 +604,11 @@ def _run_with_gateway(args: argparse.Namespace, opts: WorkloadOptions, workload,
         else:
             urls, engine_urls = stack.enter_context(_replicas(folder, gateways, sim_args))
         engines = [EngineStats(u) for u in engine_urls]
-        replayer = Replayer(urls, keys, args.duration, args.drain)
+        replayer = Replayer(urls, keys, args.duration, args.drain, gateway_metrics=urls[0])
         results, wall = asyncio.run(replayer.run(workload.requests, engines,
                                                  args.scrape_interval))
     summary = summarize(results, engines, Slo(args.slo_ttft_ms, args.slo_tpot_ms), wall)
+    summary["admission_series"] = replayer.admission
     ttft, tpot = summary["ttft_ms"], summary["tpot_ms"]
     summary.update({
         "policy": args.policy, "engines_n": args.engines,

@@ -148,16 +148,38 @@ def test_decide_refuses_when_queued_prefill_would_miss_the_ttft_budget() -> None
     assert decide(model, pending_prefill_tokens=0, ttft_budget_s=1.0, **base).admit
     v = decide(model, pending_prefill_tokens=1000, ttft_budget_s=1.0, **base)
     assert not v.admit and v.reason == "ttft" and v.ttft.mean > 1.0
-    # a budget already spent waiting: 0.1 s left is not enough behind 100 tokens
-    assert not decide(model, pending_prefill_tokens=100, ttft_budget_s=0.1, **base).admit
+    # 0.4 s left: enough alone, not behind 100 more tokens (TTFT̂ 0.43 s)
+    assert model.predict_ttft(200, 2).mean < 0.4
+    assert not decide(model, pending_prefill_tokens=100, ttft_budget_s=0.4, **base).admit
 
 
-def test_decide_a_request_too_long_for_its_target_waits_for_no_prefill_ahead() -> None:
+def test_decide_does_not_hold_a_request_that_misses_its_budget_even_alone() -> None:
+    """A request already past its slack (0.1 s left, TTFT̂ alone over 0.3 s) or too long
+    for its target gains nothing by waiting at the gateway, and in a queue that
+    places in order it would hold every request behind it (issue 44): the TPOT rule
+    alone decides. At best effort it still waits for no prefill ahead (another engine
+    may serve it in time)."""
     model = fitted()
-    base = dict(uncached_tokens=1500, decoding=1, in_flight=2, tpot_target_s=0.1,
-                tightest_running_tpot_s=0.1, ttft_budget_s=1.0, z=0.0)
-    assert decide(model, pending_prefill_tokens=0, **base).admit
-    assert not decide(model, pending_prefill_tokens=50, **base).admit
+    late = dict(uncached_tokens=200, decoding=2, tpot_target_s=0.1,
+                tightest_running_tpot_s=0.1, ttft_budget_s=0.1, z=0.0, ttft_target_s=1.0)
+    assert decide(model, pending_prefill_tokens=5000, in_flight=3, **late).admit
+    v = decide(model, pending_prefill_tokens=5000, in_flight=14, **late)  # over the knee
+    assert not v.admit and v.reason == "tpot"
+    long = dict(uncached_tokens=1500, decoding=1, in_flight=2, tpot_target_s=0.1,
+                tightest_running_tpot_s=0.1, ttft_budget_s=1.0, z=0.0, ttft_target_s=1.0)
+    assert model.predict_ttft(1500, 0).mean > 1.0  # too long even on an idle engine
+    assert decide(model, pending_prefill_tokens=0, **long).admit
+    assert decide(model, pending_prefill_tokens=50, **long).admit
+    # in time alone on an idle engine, not at this engine's decode batch: more work
+    # there only makes that worse, so it waits for no prefill queued ahead
+    busy = {**long, "uncached_tokens": 400, "decoding": 150, "in_flight": 152}
+    assert model.predict_ttft(400, 0).mean < 1.0 < model.predict_ttft(400, 150).mean
+    v = decide(model, pending_prefill_tokens=50, limit=200.0, **busy)
+    assert not v.admit and v.reason == "ttft"
+    assert decide(model, pending_prefill_tokens=0, limit=200.0, **busy).admit
+    at_best_effort = decide(model, pending_prefill_tokens=50, best_effort=True, **long)
+    assert not at_best_effort.admit and at_best_effort.reason == "ttft"
+    assert decide(model, pending_prefill_tokens=0, best_effort=True, **long).admit
 
 
 def test_decide_uncertainty_makes_it_conservative() -> None:
@@ -178,7 +200,7 @@ def test_decide_empty_engine_always_takes_and_fallback_limit_applies() -> None:
     assert not decide(model, in_flight=4, limit=4.0, **base).admit
     # the TTFT prior alone (1 ms/token: 10 s behind 10,000 queued tokens) holds
     # nothing back; once the TTFT fit has its samples, it does
-    long = {**base, "uncached_tokens": 2000, "pending_prefill_tokens": 8000}
+    long = {**base, "uncached_tokens": 200, "pending_prefill_tokens": 9800}
     assert model.predict_ttft(10_000, 0).mean > 1.0
     assert decide(model, in_flight=3, limit=4.0, **long).admit
     for _ in range(model.min_samples):
