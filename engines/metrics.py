@@ -93,7 +93,18 @@ def parse_metrics(text: str, at: float) -> MetricsSnapshot:
     Several label sets of one metric (vLLM labels each data-parallel rank with
     ``engine="N"``) are combined: request counts, prefix-cache counters and
     ``num_gpu_blocks`` are summed; KV usage, a fraction, is their mean; ``block_size``
-    comes from the first label set. ``vllm:kv_cache_usage_perc`` wins over the older
+    comes from the first label set. The KV capacity is the engine's own figure where
+    it exports one, ``kv_cache_size_tokens`` (summed; vLLM 0.32
+    ``vllm/v1/core/kv_cache_utils.py`` ``update_kv_cache_capacity``, the figure of
+    its ``"KV cache size: N tokens"`` log line: ``get_max_concurrency_for_kv_cache_config``
+    × ``max_model_len``, the pool's blocks divided among the model's KV-cache
+    groups, so a hybrid model
+    whose sliding-window and full-attention layers share one pool, as Gemma 3's six
+    groups do, holds ``num_gpu_blocks × block_size / groups`` tokens, 55,356 and not
+    349,440 for the packaged engine); ``num_blocks`` is then that capacity in blocks,
+    ``kv_cache_size_tokens // block_size`` (what one sequence's blocks are counted
+    against: the KV budget, the prefix index, the capacity report). Without the
+    label, ``num_gpu_blocks`` as exported. ``vllm:kv_cache_usage_perc`` wins over the older
     ``vllm:gpu_cache_usage_perc`` when both appear; counters are accepted with or
     without the ``_total`` suffix. Absent metrics keep the snapshot's defaults.
     ``counters`` holds the sums and counts of the inter-token latency, prefill time
@@ -129,15 +140,20 @@ def parse_metrics(text: str, at: float) -> MetricsSnapshot:
             prompt_tokens=maybe(PROMPT_TOKENS), cached_tokens=total(PREFIX_HITS),
             external_tokens=total(EXTERNAL_HITS), queried_tokens=maybe(PREFIX_QUERIES),
             generated_tokens=maybe(GENERATION))
-    block_size = num_blocks = None
+    block_size = num_blocks = kv_tokens = None
     info = series.get(CACHE_CONFIG)
     if info:
         block_size = _int_label(info.labels[0], "block_size")
-        known = [
-            b for b in (_int_label(labels, "num_gpu_blocks") for labels in info.labels)
-            if b is not None
-        ]
-        num_blocks = sum(known) if known else None
+
+        def summed(key: str) -> int | None:
+            known = [v for v in (_int_label(labels, key) for labels in info.labels)
+                     if v is not None]
+            return sum(known) if known else None
+
+        num_blocks = summed("num_gpu_blocks")
+        kv_tokens = summed("kv_cache_size_tokens")
+        if kv_tokens is not None and block_size:
+            num_blocks = kv_tokens // block_size
     return MetricsSnapshot(
         at=at,
         kv_cache_usage=sum(usage.values) / len(usage.values) if usage else None,
@@ -148,6 +164,7 @@ def parse_metrics(text: str, at: float) -> MetricsSnapshot:
         generation_tokens=total(GENERATION),
         block_size=block_size,
         num_blocks=num_blocks,
+        kv_tokens=kv_tokens,
         signals=present(kv_usage=usage is not None, running=RUNNING in series,
                         waiting=WAITING in series,
                         prefix_hits=PREFIX_HITS in series and PREFIX_QUERIES in series,
@@ -227,7 +244,8 @@ class MetricsPoller:
             log.info("engine %s (%s): all load signals read", self.engine.id, self.kind.name)
 
     async def read_slots(self) -> int | None:
-        """Read the engine's slot count into ``Engine.slots`` unless already read for
+        """Read the engine's slot count into ``Engine.slots`` (and one slot's context
+        into ``Engine.slot_tokens`` where the dialect has it) unless already read for
         its current generation; returns it (None: no endpoint, or the read failed and
         is retried on the next scrape)."""
         engine, kind = self.engine, self.kind
@@ -241,11 +259,14 @@ class MetricsPoller:
                 if resp.status != 200:
                     log.debug("slots %s: HTTP %d", url, resp.status)
                     return None
-                slots = kind.parse_slots(await resp.json(content_type=None))
+                props = await resp.json(content_type=None)
+                slots = kind.parse_slots(props)
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             log.debug("slots %s: %r", url, e)
             return None
         self._slots_generation = engine.generation
+        if kind.parse_slot_tokens is not None:
+            engine.slot_tokens = kind.parse_slot_tokens(props)
         if slots != engine.slots:
             log.info("engine %s (%s): %s slots", engine.id, kind.name, slots)
             engine.slots = slots

@@ -44,7 +44,12 @@ class MetricsSnapshot:
         prefix_cache_hits: ``vllm:prefix_cache_hits[_total]``, tokens (counter).
         generation_tokens: ``vllm:generation_tokens[_total]``, tokens (counter).
         block_size: tokens per KV block, from ``vllm:cache_config_info``.
-        num_blocks: KV blocks (``num_gpu_blocks`` label of ``vllm:cache_config_info``).
+        num_blocks: KV blocks one sequence may fill: ``kv_tokens // block_size`` where
+            the engine exports ``kv_tokens``, else ``num_gpu_blocks`` of
+            ``vllm:cache_config_info`` (:func:`engines.metrics.parse_metrics`).
+        kv_tokens: the engine's own KV-cache capacity, tokens (vLLM's
+            ``kv_cache_size_tokens`` label: a hybrid-attention model's pool divided
+            among its KV-cache groups); None when not exported.
         signals: the load signals this scrape held (names in
             :data:`engines.kinds.SIGNALS`); other dialects map their own names onto
             the fields above (:mod:`engines.kinds`).
@@ -61,6 +66,7 @@ class MetricsSnapshot:
     generation_tokens: float = 0.0
     block_size: int | None = None
     num_blocks: int | None = None
+    kv_tokens: int | None = None
     signals: frozenset[str] = frozenset()
     counters: EngineCounters | None = None
 
@@ -96,6 +102,9 @@ class Engine:
             admission), or None while adaptive admission is off.
         slots: the most requests the engine runs at once, where it reports a fixed
             slot count (llama.cpp's ``/props`` ``total_slots``); None when unknown.
+        slot_tokens: the context of one slot, tokens, where the engine has fixed slots
+            (llama.cpp's ``/props`` ``default_generation_settings.n_ctx``: ``--ctx-size
+            / --parallel``); the most KV one request may fill there. None when unknown.
         kv_events: where the engine publishes KV-cache events, if it does.
     """
 
@@ -117,6 +126,7 @@ class Engine:
     latency: EngineLatency | None = None
     kv_events: EventsEndpoint | None = None
     slots: int | None = None
+    slot_tokens: int | None = None
 
     @property
     def routable(self) -> bool:
@@ -143,6 +153,34 @@ class Engine:
     @property
     def metrics_at(self) -> float | None:
         return self.metrics.at if self.metrics else None
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """The most KV-cache tokens one request may fill on this engine, as the engine
+        has it: one slot's context where it has fixed slots (:attr:`slot_tokens`),
+        else its KV capacity (:attr:`num_blocks` × :attr:`block_size`, the engine's own
+        token figure where it exports one); None when unknown."""
+        if self.slot_tokens is not None:
+            return self.slot_tokens
+        if self.num_blocks and self.block_size:
+            return self.num_blocks * self.block_size
+        return None
+
+    @property
+    def unreported(self) -> int:
+        """This gateway's requests on the engine that its last report counted neither
+        running nor waiting: ``max(in_flight, in_flight_at_metrics) − running −
+        waiting``, at least 0 (the report's own shortfall, and the requests sent
+        since, which it cannot have counted: an upper bound until the next scrape).
+        They sit in its front end (vLLM's API server: HTTP, tokenisation, the queue to
+        the engine core; llama.cpp's HTTP threads), which no engine metric counts,
+        so they are load the gateway must see itself (``limits.saturation`` counts
+        them as waiting). 0 for an engine that reports no running count."""
+        m = self.metrics
+        if m is None or "running" not in m.signals:
+            return 0
+        mine = max(self.in_flight, self.in_flight_at_metrics)
+        return max(0, mine - m.num_running - m.num_waiting)
 
 
 class EnginePool:

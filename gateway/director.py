@@ -417,7 +417,7 @@ class Director:
         ready = [e for e in self.pool.for_model(req.model) if e.routable]
         if not ready:
             raise self._no_engine(req)
-        capacity = [e.num_blocks * e.block_size for e in ready if e.num_blocks and e.block_size]
+        capacity = [c for e in ready if (c := e.kv_capacity_tokens)]
         kv = self._kv_tokens(req)
         if capacity and len(capacity) == len(ready) and kv > max(capacity):
             raise Rejected(Outcome.CONTEXT_LENGTH_EXCEEDED,

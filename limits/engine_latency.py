@@ -47,10 +47,18 @@ alone (``TPOT̂(1) + z σ`` above it: the knee's own test at a batch of 1 fails,
 fit has seen the engine decode at a batch of about one within its memory, so that
 TPOT̂(1) is measured rather than extrapolated from a busy engine's batches), no
 admission can give a request of that target its SLO on this engine; holding requests
-back to a limit of 1, or shedding them, would only lose throughput. Such requests are
-admitted by the engine's capacity signals (slots, KV watermark and blocks, waiting
-requests: :mod:`limits.saturation`) and rule 1, as a plain proxy would that did not
-queue prompts on an engine past their TTFT target; rule 2 does not apply. Rule 1
+back to a limit of 1, or shedding them, would only lose throughput. The goal becomes
+the most goodput with bounded waits: such requests are admitted by the engine's
+capacity signals (slots, KV watermark and blocks, waiting requests, the gateway's
+requests the engine does not report: :mod:`limits.saturation`), rule 1, and in place
+of rule 2 the *throughput knee* (:meth:`LatencyModel.throughput_knee`: the batch at
+which the fitted token rate ``b / TPOT̂(b)`` reaches 90 % of its asymptote; past it a
+request adds little rate and slows every running one). The rest wait in the
+gateway's bounded queue, which refuses at once, with ``Retry-After`` from its drain
+rate, what it predicts would wait past its deadline (:mod:`limits.admission`). A plain
+proxy is what collapses here: the packaged CPU engine, flooded with 500 clients at
+best effort without that cap, answered none within 45 s while its metrics showed 1–2
+running, 0 waiting (the rest sat in its API server). Rule 1
 applies only while another engine may serve the request within its SLO: else holding
 it back would only move its wait from the engine's queue to the gateway's, which
 rejects what it expects to wait too long (seen with the packaged CPU engine alone at
@@ -147,7 +155,9 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
         tightest_running_tpot_s: smallest TPOT target among requests in flight there,
             s (None when none).
         z: standard deviations added to predictions (conservatism).
-        limit: when given, the fallback concurrency limit replaces the TPOT rule.
+        limit: when given, the fallback concurrency limit replaces the TPOT rule; at
+            best effort, the throughput knee (:meth:`LatencyModel.throughput_knee`):
+            the engine takes the request only while fewer are in flight.
         reserve: requests of more urgent bands expected on this engine that are not
             there yet (:class:`BandDemand`); the TPOT rule keeps room for them on top
             of this request.
@@ -155,8 +165,9 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
             band's occupancy, :meth:`BandDemand.occupancy`, per engine); None: no
             burst rule.
         best_effort: the engine serves the request's TPOT target at best effort
-            (:meth:`EngineLatency.best_effort`): rule 1 alone decides, on TTFT̂'s
-            mean while the TTFT fit is not trusted, and only when ``elsewhere``.
+            (:meth:`EngineLatency.best_effort`): rule 1 decides, on TTFT̂'s mean
+            while the TTFT fit is not trusted, and only when ``elsewhere``; then
+            ``limit`` (the throughput knee) instead of the TPOT rule.
         elsewhere: another engine may serve the request within its SLO (else, at
             best effort, holding it back would only move its wait from this engine's
             queue to the gateway's: module docstring).
@@ -168,8 +179,9 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
     judge = elsewhere if best_effort else model.ttft_trusted
     if judge and ttft.upper(ttft_z) > max(ttft_budget_s, alone.upper(ttft_z)):
         return Verdict(False, ttft, None, "ttft")
-    if best_effort:
-        return Verdict(True, ttft, None, best_effort=True)
+    if best_effort:  # the throughput knee, when given, caps the engine
+        ok = limit is None or in_flight == 0 or in_flight < math.floor(limit)
+        return Verdict(ok, ttft, None, None if ok else "throughput", best_effort=ok)
     if in_flight == 0:
         return Verdict(True, ttft, None)
     if limit is not None:
@@ -570,13 +582,15 @@ class EngineLatency:
     def limit(self, tpot_target_s: float) -> int | None:
         """The concurrency limit now for a request of TPOT target ``tpot_target_s``
         (s): the model's knee for the tightest of it and the running targets, the
-        gradient limiter's, or None at best effort (no learned limit: the engine's
-        capacity signals admit)."""
+        gradient limiter's, or at best effort the throughput knee
+        (:meth:`LatencyModel.throughput_knee`: no batch meets the target, so the
+        engine is held where its token rate stops growing and the rest wait in the
+        gateway's queue, which refuses early what would wait past its deadline)."""
         mode = self.mode(tpot_target_s)
         if mode == "gradient":
             return max(1, math.floor(self.gradient.limit))
         if mode == "best_effort":
-            return None
+            return self.model.throughput_knee()
         target = min(tpot_target_s, self.tightest_tpot_s() or math.inf)
         return self.model.knee(target, self.z)
 
@@ -599,16 +613,21 @@ class EngineLatency:
         :func:`engines.plugins.engine_load`) replaces the ledger's in-flight count
         when larger; ``reserve`` and
         ``sustained`` and ``elsewhere`` as there. At best effort (:meth:`best_effort`)
-        rule 1 alone decides when ``elsewhere``, and nothing but the capacity signals
-        when not (``Verdict.best_effort`` when admitted)."""
+        rule 1 decides when ``elsewhere``, and the throughput knee caps the engine
+        (``Verdict.best_effort`` when admitted)."""
+        best_effort = self.best_effort(tpot_target_s)
+        limit: float | None = None
+        if best_effort:
+            limit = self.model.throughput_knee()
+        elif not self.model.confident:
+            limit = self.gradient.limit
         return decide(self.model, uncached_tokens=uncached_tokens,
                       pending_prefill_tokens=self.pending_prefill_tokens,
                       decoding=self.decoding, in_flight=self.occupied(reported_load),
                       ttft_budget_s=ttft_budget_s, tpot_target_s=tpot_target_s,
                       tightest_running_tpot_s=self.tightest_tpot_s(), z=self.z,
-                      limit=None if self.model.confident else self.gradient.limit,
-                      reserve=reserve, sustained=sustained,
-                      best_effort=self.best_effort(tpot_target_s), elsewhere=elsewhere)
+                      limit=limit, reserve=reserve, sustained=sustained,
+                      best_effort=best_effort, elsewhere=elsewhere)
 
     # ------------------------------------------------------------------ the ledger
 

@@ -151,6 +151,12 @@ class RecursiveLeastSquares:
         return True
 
 
+#: Share of the fitted model's highest token rate at which the throughput knee sits
+#: (:meth:`LatencyModel.throughput_knee`): 90 %, so a further request adds under a
+#: tenth of the rate it would add alone while the decode of every running request
+#: keeps slowing.
+THROUGHPUT_SHARE = 0.9
+
 #: Mean batch up to which a TPOT sample shows the engine's speed alone
 #: (:attr:`LatencyModel.alone_observed`).
 ALONE_BATCH = 2.0
@@ -296,6 +302,33 @@ class LatencyModel:
                 hi = mid - 1
         self._knee = (key, lo)
         return lo
+
+    def throughput_knee(self, share: float = THROUGHPUT_SHARE, *, cap: int = 1024) -> int:
+        """The concurrency past which the engine's token rate no longer grows much:
+        the smallest batch ``b`` (≥ 1, ≤ ``cap``) whose predicted rate ``b / TPOT̂(b)``
+        reaches ``share`` of the most the fit allows. With ``TPOT̂(b) = t0 + c b``
+        (``t0 = b0``, ``c = b1 + b2 ρ``: the step time's per-sequence part with the
+        turnover's prefill per sequence) the rate ``b / (t0 + c b)`` rises towards
+        ``1 / c`` and reaches ``share / c`` at ``b = share t0 / ((1 − share) c)``
+        (the saturation knee of a linear step-time model; Sarathi-Serve, Agrawal et
+        al., OSDI 2024, §3: decode batches amortise the fixed step until the
+        per-sequence work dominates). Past it each added request buys under
+        ``(1 − share)`` of the rate while lengthening every running request's decode
+        by ``c`` per token, so admission at best effort (no SLO any batch can meet)
+        holds the engine there (:meth:`limits.engine_latency.EngineLatency.limit`).
+        Predicted means: this is throughput, not a latency promise. ``cap`` where the
+        fit sees no per-sequence cost (``c = 0``: the rate grows without bound).
+
+        Raises:
+            ValueError: ``share`` not in (0, 1).
+        """
+        if not 0 < share < 1:
+            raise ValueError("share must be in (0, 1)")
+        t0 = self.predict_tpot(0).mean
+        per_seq = self.predict_tpot(1).mean - t0
+        if per_seq <= 0:
+            return cap
+        return max(1, min(cap, math.ceil(share * t0 / ((1 - share) * per_seq))))
 
     def prefill_budget(self, tpot_target_s: float, batch: float,
                        stall_s: float | None = None) -> float | None:
