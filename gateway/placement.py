@@ -34,7 +34,7 @@ from engines.plugins import engine_load
 from engines.pool import Engine, EngineLease, EnginePool
 from engines.scheduler import SchedRequest, Scheduler
 from gateway.disagg import Choice, Disaggregator, role, serves_whole
-from limits.engine_latency import BandDemand, EngineLatency, Flight
+from limits.engine_latency import BandDemand, EngineLatency, Flight, best_effort_wait_s
 from limits.gradient import GradientLimiter
 from limits.interfaces import Clock
 from limits.latency_model import LatencyModel
@@ -215,6 +215,25 @@ class Placer:
         if need.arrived is None:
             return math.inf
         return self.slo.target(need.priority).ttft_s - (now - need.arrived)
+
+    def best_effort_wait_s(self, model: str, priority: Priority) -> float | None:
+        """The longest a ``priority`` request of ``model`` should wait in the queue
+        when every ready engine serves its band at best effort
+        (:meth:`~limits.engine_latency.EngineLatency.best_effort`): the band's mean
+        time on an engine (:meth:`~limits.engine_latency.BandDemand.service_s`), at
+        least :data:`~limits.engine_latency.MIN_BEST_EFFORT_WAIT_S`. The engines are
+        held at their throughput knees, so a longer wait adds latency and no
+        throughput; the queue refuses at once, with ``Retry-After``, what it predicts
+        would wait longer. None otherwise (no SLO-free bound applies), or before a
+        request of the band has been timed."""
+        if not self.adaptive.enabled:
+            return None
+        tpot_s = self.slo.target(priority).tpot_s
+        ready = [e for e in self.pool.for_model(model) if e.routable and serves_whole(e)]
+        if not ready or any(e.latency is None or not e.latency.best_effort(tpot_s)
+                            for e in ready):
+            return None
+        return best_effort_wait_s(self.band_demand(model).service_s(priority))
 
     def within_slo(self, engines: list[Engine], need: Need, now: float,
                    prefill: Sequence[Engine] = ()) -> list[Engine]:

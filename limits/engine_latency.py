@@ -435,6 +435,31 @@ BEST_EFFORT_EXIT = 0.9
 #: Fewest decoded tokens in an interval for its mean inter-token latency to count.
 MIN_INTERVAL_TOKENS = 4
 
+#: Time constant of the smoothed throughput knee, s (:meth:`EngineLatency.throughput_limit`).
+KNEE_TAU_S = 10.0
+
+#: Shortest queue wait allowed at best effort, s (:func:`best_effort_wait_s`): a
+#: burst arriving together is not refused for the drain of a few requests.
+MIN_BEST_EFFORT_WAIT_S = 1.0
+
+
+def best_effort_wait_s(service_s: float) -> float | None:
+    """The longest wait in the gateway's queue for a request that every engine serves
+    at best effort (held at its throughput knee): its band's mean time on an engine
+    ``service_s`` (s, :meth:`BandDemand.service_s`), at least
+    :data:`MIN_BEST_EFFORT_WAIT_S`; None while ``service_s`` is 0 (not yet timed).
+
+    Rule: past the knee more waiting buys no throughput, only latency, so the queue
+    holds about one turn of the engines' places (the requests a knee-sized batch
+    finishes while one request runs, Little's law) and refuses early what would wait
+    longer, with ``Retry-After`` from its drain rate (:mod:`limits.admission`). A
+    closed-loop client then waits at most about twice a request's time at the knee
+    for an answer, where waiting out the queue's default deadline (30 s) would take
+    an engine that needs 20 s per request past a 60 s client timeout."""
+    if service_s <= 0:
+        return None
+    return max(MIN_BEST_EFFORT_WAIT_S, service_s)
+
 
 def interval_observations(prev: EngineCounters, now: EngineCounters) -> IntervalObservations:
     """The model's samples in the interval between two scrapes (rules in the module
@@ -540,6 +565,9 @@ class EngineLatency:
         #: run (:meth:`scraped`)
         self._prefill_until = -math.inf
         self._best_effort: set[float] = set()  # TPOT targets served at best effort, s
+        #: the throughput knee, smoothed over :data:`KNEE_TAU_S` (:meth:`throughput_limit`)
+        self._knee: float | None = None
+        self._knee_at = -math.inf
 
     def best_effort(self, tpot_target_s: float) -> bool:
         """Whether requests of TPOT target ``tpot_target_s`` (s) are served at best
@@ -549,7 +577,9 @@ class EngineLatency:
         an extrapolation, not evidence), or exceeded it and has not yet fallen under
         :data:`BEST_EFFORT_EXIT` × the target (module docstring)."""
         was = tpot_target_s in self._best_effort
-        alone = self.model.tpot_alone_s(self.z) if self.model.confident else None
+        if not self.model.confident:  # an untrusted fit is no evidence to leave it
+            return was
+        alone = self.model.tpot_alone_s(self.z)
         now = (alone is not None and alone > tpot_target_s * (BEST_EFFORT_EXIT if was else 1.0)
                and (was or self.model.alone_observed))
         if now != was:
@@ -566,9 +596,9 @@ class EngineLatency:
         """The controller that admits requests of TPOT target ``tpot_target_s`` (s):
         ``best_effort`` (:meth:`best_effort`), ``model`` (the fitted model's rules) or
         ``gradient`` (the fallback limiter, while the model is not trusted)."""
-        if not self.model.confident:
-            return "gradient"
-        return "best_effort" if self.best_effort(tpot_target_s) else "model"
+        if self.best_effort(tpot_target_s):
+            return "best_effort"
+        return "model" if self.model.confident else "gradient"
 
     @property
     def in_flight(self) -> int:
@@ -590,9 +620,29 @@ class EngineLatency:
         if mode == "gradient":
             return max(1, math.floor(self.gradient.limit))
         if mode == "best_effort":
-            return self.model.throughput_knee()
+            return self.throughput_limit()
         target = min(tpot_target_s, self.tightest_tpot_s() or math.inf)
         return self.model.knee(target, self.z)
+
+    def throughput_limit(self) -> int:
+        """The concurrency limit at best effort: the model's throughput knee
+        (:meth:`LatencyModel.throughput_knee`) smoothed over :data:`KNEE_TAU_S`
+        (weight ``1 − e^(−Δt/τ)`` per reading, Δt the time since the last), and held
+        while the fit is not trusted. Held at one batch size, the fit sees little
+        spread of batches, so its fixed step time and per-sequence cost trade off
+        from one scrape to the next and the knee, their ratio, swings (seen: 12 to
+        68 within seconds on the simulated CPU engine); the smoothed knee follows a
+        real change within tens of seconds. Requests, ≥ 1."""
+        now = self.clock.now()
+        if self.model.confident or self._knee is None:
+            knee = self.model.throughput_knee()
+            if self._knee is None:
+                self._knee = float(knee)
+            else:
+                w = 1.0 - math.exp(-max(0.0, now - self._knee_at) / KNEE_TAU_S)
+                self._knee += w * (knee - self._knee)
+            self._knee_at = now
+        return max(1, round(self._knee))
 
     def predict_ttft(self, uncached_tokens: int) -> Prediction:
         """TTFT̂ of a request of ``uncached_tokens`` sent now, s."""
@@ -618,7 +668,7 @@ class EngineLatency:
         best_effort = self.best_effort(tpot_target_s)
         limit: float | None = None
         if best_effort:
-            limit = self.model.throughput_knee()
+            limit = self.throughput_limit()
         elif not self.model.confident:
             limit = self.gradient.limit
         return decide(self.model, uncached_tokens=uncached_tokens,

@@ -264,6 +264,11 @@ class LatencyModel:
         #: EWMA of the decode steps of the requests seen to finish (None before one)
         self.request_steps: float | None = None
         self._since_alone = math.inf  # TPOT samples since the last at ≤ ALONE_BATCH
+        #: (mean batch, TPOT s) of the samples at ≤ ALONE_BATCH, weighted means
+        #: (EWMA by sample weight), never forgotten by time: the engine's speed alone
+        self._alone: tuple[float, float] | None = None
+        #: weighted mean batch of the recent TPOT samples (EWMA): where the engine runs
+        self._batch_seen: float | None = None
 
     # ------------------------------------------------------------------ predictions
 
@@ -319,16 +324,32 @@ class LatencyModel:
         Predicted means: this is throughput, not a latency promise. ``cap`` where the
         fit sees no per-sequence cost (``c = 0``: the rate grows without bound).
 
+        ``t0`` and ``c`` come from two points: the engine's TPOT alone (the weighted
+        mean of its samples at a batch of at most :data:`ALONE_BATCH`, kept however
+        old) and TPOT̂ at the batch it runs at now (the recent samples' mean batch,
+        where the fit is best identified). The fit's own intercept and slope are
+        used only before the engine was seen alone or while it runs near alone: held
+        at one batch, the fit sees no spread of batches and the two trade off freely
+        (seen on the simulated CPU engine at best effort: the intercept fell from
+        9 ms to 0 within seconds at a steady 24 in flight, which would put the knee
+        at 1).
+
         Raises:
             ValueError: ``share`` not in (0, 1).
         """
         if not 0 < share < 1:
             raise ValueError("share must be in (0, 1)")
-        t0 = self.predict_tpot(0).mean
-        per_seq = self.predict_tpot(1).mean - t0
+        b = self._batch_seen
+        if self._alone is not None and b is not None and b >= 2 * ALONE_BATCH:
+            b_alone, t_alone = self._alone
+            per_seq = (self.predict_tpot(b).mean - t_alone) / (b - b_alone)
+            t0 = t_alone - per_seq * b_alone
+        else:
+            t0 = self.predict_tpot(0).mean
+            per_seq = self.predict_tpot(1).mean - t0
         if per_seq <= 0:
             return cap
-        return max(1, min(cap, math.ceil(share * t0 / ((1 - share) * per_seq))))
+        return max(1, min(cap, math.ceil(share * max(0.0, t0) / ((1 - share) * per_seq))))
 
     def prefill_budget(self, tpot_target_s: float, batch: float,
                        stall_s: float | None = None) -> float | None:
@@ -400,6 +421,12 @@ class LatencyModel:
         if not self.tpot.update((1.0, mean_batch, prefill_per_step), tpot_s, weight):
             return False
         self._since_alone = 0 if mean_batch <= ALONE_BATCH else self._since_alone + 1
+        a = 0.1 * min(1.0, weight)
+        self._batch_seen = mean_batch if self._batch_seen is None else \
+            self._batch_seen + a * (mean_batch - self._batch_seen)
+        if mean_batch <= ALONE_BATCH:
+            old = self._alone or (mean_batch, tpot_s)
+            self._alone = (old[0] + a * (mean_batch - old[0]), old[1] + a * (tpot_s - old[1]))
         return True
 
     def observe_turnover(self, uncached_tokens: float, generated_tokens: float,
