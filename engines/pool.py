@@ -162,6 +162,8 @@ class Engine:
         token figure where it exports one); None when unknown."""
         if self.slot_tokens is not None:
             return self.slot_tokens
+        if self.metrics is not None and self.metrics.kv_tokens:
+            return self.metrics.kv_tokens
         if self.num_blocks and self.block_size:
             return self.num_blocks * self.block_size
         return None

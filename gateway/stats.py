@@ -215,6 +215,7 @@ class StatsFeed:
             "running": e.metrics.num_running if e.metrics else 0,
             "waiting": e.metrics.num_waiting if e.metrics else 0,
             "in_flight": e.in_flight, "restarts": e.restarts,
+            "kv_capacity_tokens": e.kv_capacity_tokens,
             "limit": concurrency_limit(e, self.tpot_target_s),
             "mode": e.latency.mode(self.tpot_target_s) if e.latency is not None else None,
             "output_tokens_per_hour": self._rates.get(e.id, (None, None))[0],

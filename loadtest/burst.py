@@ -9,8 +9,12 @@ clients each send a streamed chat of a short Arena-Hard v0.1 prompt (the shortes
 as soon as the answer ends, for ``--duration-s`` (default 60) s per path. A client
 waits at most ``--timeout-s`` (default 60) s for an answer (then counts a timeout and
 sends its next); a refused client (429/503) waits its ``Retry-After``, capped at
-``--retry-cap-s`` (default 2) s, or 1 s without one, and sends again. Requests still
-running at the window's end are cancelled and not counted. Before each path the run
+``--retry-cap-s`` (default 2) s, or 1 s without one, and sends again. At the window's
+end no client sends again, and the requests still running are waited for (each until
+its answer or its timeout): their timeouts and refusals count, their latencies count,
+but only answers within the window count in ``answered_per_s`` and ``tokens_per_s``
+(a request sent at the window's start could otherwise never reach its timeout within
+it). Before each path the run
 waits until the engine reports nothing running or waiting (at most ``--idle-s``,
 default 120 s), so one path's backlog does not land on the other. The two paths
 alternate which goes first from one concurrency to the next.
@@ -73,6 +77,7 @@ class Tally:
     """What one closed-loop window saw (times in s)."""
 
     duration_s: float
+    answered: int = 0  # within the window
     latencies: list[float] = field(default_factory=list)
     refusal_s: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -86,8 +91,8 @@ class Tally:
         def q(xs: list[float], p: float) -> float | None:
             return round(float(np.percentile(xs, p)), 3) if xs else None
 
-        return {"answered_per_s": round(len(self.latencies) / self.duration_s, 4),
-                "answered": len(self.latencies), "timeouts": self.timeouts,
+        return {"answered_per_s": round(self.answered / self.duration_s, 4),
+                "answered": self.answered, "timeouts": self.timeouts,
                 "refused": self.refused,
                 "refused_with_retry_after": self.refused_with_retry_after,
                 "refusal_s_p99": q(self.refusal_s, 99),
@@ -110,8 +115,9 @@ async def closed_loop(session: aiohttp.ClientSession, url: str, bodies: list[dic
                       retry_cap_s: float = 2.0, headers: dict[str, str] | None = None,
                       seed: int = 0) -> Tally:
     """``clients`` closed-loop clients POST ``bodies`` (client ``i`` starts at a
-    seeded offset and cycles) to ``url`` for ``duration_s`` s; what ended within the
-    window is tallied, what still runs at its end is cancelled."""
+    seeded offset and cycles) to ``url`` for ``duration_s`` s, then wait for the
+    requests still running (each at most ``timeout_s``); tallied as the module
+    docstring says."""
     tally = Tally(duration_s)
     start = time.perf_counter()
     end = start + duration_s
@@ -123,11 +129,12 @@ async def closed_loop(session: aiohttp.ClientSession, url: str, bodies: list[dic
             m = await send_measured(session, url, bodies[k % len(bodies)], headers,
                                     timeout_s=timeout_s)
             k += 1
-            if time.perf_counter() > end:
-                return
+            within = time.perf_counter() <= end
             if m.ok:
                 tally.latencies.append(m.e2e_s)
-                tally.tokens += m.completion_tokens
+                if within:
+                    tally.answered += 1
+                    tally.tokens += m.completion_tokens
             elif m.error_code == "TimeoutError":
                 tally.timeouts += 1
             elif m.status in (429, 503):
@@ -136,16 +143,14 @@ async def closed_loop(session: aiohttp.ClientSession, url: str, bodies: list[dic
                 wait = retry_after_s(m)
                 if wait is not None:
                     tally.refused_with_retry_after += 1
-                await asyncio.sleep(min(retry_cap_s, 1.0 if wait is None else wait))
+                pause = min(retry_cap_s, 1.0 if wait is None else wait)
+                await asyncio.sleep(max(0.0, min(pause, end - time.perf_counter())))
             else:
                 tally.errors += 1
-                await asyncio.sleep(0.5)  # a failing server is not hammered in a loop
+                # a failing server is not hammered in a loop
+                await asyncio.sleep(max(0.0, min(0.5, end - time.perf_counter())))
 
-    tasks = [asyncio.create_task(client(i)) for i in range(clients)]
-    await asyncio.wait(tasks, timeout=max(0.0, end - time.perf_counter()))
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*(client(i) for i in range(clients)))
     return tally
 
 

@@ -134,7 +134,7 @@ def test_kv_capacity_is_the_engines_own_figure() -> None:
     e = engine(0, 0, 0)
     e.metrics = MetricsSnapshot(at=1.0, block_size=128, num_blocks=55_356 // 128,
                                 kv_tokens=55_356)
-    assert e.kv_capacity_tokens == 432 * 128
+    assert e.kv_capacity_tokens == 55_356  # the engine's figure, not 432 blocks x 128
     # llama.cpp: one slot's context is what one request may fill
     props = {"total_slots": 4, "default_generation_settings": {"n_ctx": 2048}}
     assert parse_slot_tokens(props) == 2048
