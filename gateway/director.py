@@ -424,12 +424,12 @@ class Director:
                            f"This request needs about {kv} tokens of KV cache (prompt + max "
                            f"output × sequences); the largest engine holds {max(capacity)}.",
                            param=req.prompt_param)
-        # at best effort a request waits at most about one request's time on an engine
-        bound = self.placer.best_effort_wait_s(req.model, tenant.priority)
-        if bound is not None:
-            timeout_s = min(timeout_s or math.inf, bound)
         max_wait = min(tenant.max_queue_wait_s or self.cfg.gateway.queue.default_max_wait_s,
                        timeout_s or math.inf)
+        # at best effort the deadline bounds the answer: the wait leaves room for the run
+        bound = self.placer.best_effort_wait_s(req.model, tenant.priority, max_wait)
+        if bound is not None:
+            timeout_s = max_wait = bound
         model = req.model
         self.placer.band_demand(model).arrived(tenant.priority)
         self._degrade(req, tenant, rec, max_wait)

@@ -216,16 +216,17 @@ class Placer:
             return math.inf
         return self.slo.target(need.priority).ttft_s - (now - need.arrived)
 
-    def best_effort_wait_s(self, model: str, priority: Priority) -> float | None:
-        """The longest a ``priority`` request of ``model`` should wait in the queue
-        when every ready engine serves its band at best effort
-        (:meth:`~limits.engine_latency.EngineLatency.best_effort`): the band's mean
-        time on an engine (:meth:`~limits.engine_latency.BandDemand.service_s`), at
-        least :data:`~limits.engine_latency.MIN_BEST_EFFORT_WAIT_S`. The engines are
-        held at their throughput knees, so a longer wait adds latency and no
-        throughput; the queue refuses at once, with ``Retry-After``, what it predicts
-        would wait longer. None otherwise (no SLO-free bound applies), or before a
-        request of the band has been timed."""
+    def best_effort_wait_s(self, model: str, priority: Priority,
+                           max_wait_s: float) -> float | None:
+        """The longest a ``priority`` request of ``model`` whose queue deadline is
+        ``max_wait_s`` (s) away should wait in the queue when every ready engine
+        serves its band at best effort
+        (:meth:`~limits.engine_latency.EngineLatency.best_effort`): that deadline less
+        the band's mean time on an engine
+        (:func:`~limits.engine_latency.best_effort_wait_s`), so what is admitted is
+        answered by it and the queue refuses at once, with ``Retry-After``, what it
+        predicts would wait longer. None otherwise, or before a request of the band
+        has been timed."""
         if not self.adaptive.enabled:
             return None
         tpot_s = self.slo.target(priority).tpot_s
@@ -233,7 +234,7 @@ class Placer:
         if not ready or any(e.latency is None or not e.latency.best_effort(tpot_s)
                             for e in ready):
             return None
-        return best_effort_wait_s(self.band_demand(model).service_s(priority))
+        return best_effort_wait_s(max_wait_s, self.band_demand(model).service_s(priority))
 
     def within_slo(self, engines: list[Engine], need: Need, now: float,
                    prefill: Sequence[Engine] = ()) -> list[Engine]:

@@ -443,22 +443,25 @@ KNEE_TAU_S = 10.0
 MIN_BEST_EFFORT_WAIT_S = 1.0
 
 
-def best_effort_wait_s(service_s: float) -> float | None:
+def best_effort_wait_s(max_wait_s: float, service_s: float) -> float | None:
     """The longest wait in the gateway's queue for a request that every engine serves
-    at best effort (held at its throughput knee): its band's mean time on an engine
-    ``service_s`` (s, :meth:`BandDemand.service_s`), at least
-    :data:`MIN_BEST_EFFORT_WAIT_S`; None while ``service_s`` is 0 (not yet timed).
+    at best effort (held at its throughput knee), whose queue deadline is
+    ``max_wait_s`` away (s: the tenant's ``max_queue_wait_s``, the queue's default or
+    the client's ``x-request-timeout``): that deadline less its band's mean time on an
+    engine ``service_s`` (s, :meth:`BandDemand.service_s`), at least
+    :data:`MIN_BEST_EFFORT_WAIT_S` and at most ``max_wait_s``; None while
+    ``service_s`` is 0 (not yet timed).
 
-    Rule: past the knee more waiting buys no throughput, only latency, so the queue
-    holds about one turn of the engines' places (the requests a knee-sized batch
-    finishes while one request runs, Little's law) and refuses early what would wait
-    longer, with ``Retry-After`` from its drain rate (:mod:`limits.admission`). A
-    closed-loop client then waits at most about twice a request's time at the knee
-    for an answer, where waiting out the queue's default deadline (30 s) would take
-    an engine that needs 20 s per request past a 60 s client timeout."""
+    Rule: no SLO holds there, so the deadline is read as the time to the answer: a
+    request admitted after waiting longer than the rest would end past it, so the
+    queue refuses it at once, with ``Retry-After`` from its drain rate
+    (:mod:`limits.admission`), rather than let it wait and then run past the client's
+    patience (seen on the simulated CPU engine with the shipped 30 s queue wait and a
+    60 s client timeout, both a tenth in time: requests that waited the whole queue
+    deadline then took 3 s more on the engine and timed out at the client)."""
     if service_s <= 0:
         return None
-    return max(MIN_BEST_EFFORT_WAIT_S, service_s)
+    return min(max_wait_s, max(MIN_BEST_EFFORT_WAIT_S, max_wait_s - service_s))
 
 
 def interval_observations(prev: EngineCounters, now: EngineCounters) -> IntervalObservations:

