@@ -26,7 +26,7 @@ the packaged GGUF (:func:`loadtest.launch.llamacpp_config`); ``--gateway-url`` a
 JSON: ``{"engine_kind", "clients", "duration_s", "max_tokens", "timeout_s",
 "retry_cap_s", "direct"|"gateway": {"<c>": {answered_per_s, answered, timeouts,
 refused, refused_with_retry_after, refusal_s_p99, latency_s_p50, latency_s_p99,
-tokens_per_s, errors}}, "peak_direct_answered_per_s", "goals": {...}, "load_avg":
+latency_s_mean, tokens_per_s, errors}}, "peak_direct_answered_per_s", "goals": {...}, "load_avg":
 [1-min load average at start, end], "config": {"changed": {}}}``; ``latency_s_*`` are
 the answered requests' (send to last byte), ``refusal_s_p99`` the refused ones'
 (send to the refusal), ``tokens_per_s`` the answered requests' completion tokens per
@@ -97,6 +97,8 @@ class Tally:
                 "refused_with_retry_after": self.refused_with_retry_after,
                 "refusal_s_p99": q(self.refusal_s, 99),
                 "latency_s_p50": q(self.latencies, 50), "latency_s_p99": q(self.latencies, 99),
+                "latency_s_mean": round(float(np.mean(self.latencies)), 3)
+                if self.latencies else None,
                 "tokens_per_s": round(self.tokens / self.duration_s, 3),
                 "errors": self.errors}
 
