@@ -82,7 +82,9 @@ async def test_a_256_client_burst_is_held_at_the_engines_knee(tmp_path) -> None:
     assert len(at_best) >= len(samples) // 2
     assert all(f <= lim for f, lim in at_best)
     knee = max(lim for _, lim in at_best)
-    assert knee < CLIENTS / 4
+    # the profile's decode alone puts it at 0.9 × 114 / (0.1 × 10.5) ≈ 98, its
+    # prefill per sequence lower: well under the 256 clients
+    assert knee < CLIENTS / 2
     # answering, not collapsing: at least a third of the rate the profile's decode
     # alone gives at that knee (b / step(b) tokens/s of device time; prefills, the
     # front end and this shared machine's other work take the rest)
