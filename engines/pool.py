@@ -86,6 +86,8 @@ class Engine:
             that is this process's own: ``in_flight`` when the scrape was sent or
             when it was stored, whichever is larger (a request that ended during the
             round trip may still be on the page).
+        in_flight_throughout: the fewer of ``in_flight`` when the scrape was sent and
+            when it was stored: requests the page should count (:attr:`unreported`).
         generation: bumped on every (re)start; caches keyed on the engine's content
             (prefix index) drop entries from older generations.
         promised_blocks: KV blocks reserved by in-flight requests (limits' KV budget).
@@ -115,6 +117,7 @@ class Engine:
     in_flight: int = 0
     metrics: MetricsSnapshot | None = None
     in_flight_at_metrics: int = 0
+    in_flight_throughout: int = 0
     generation: int = 0
     promised_blocks: int = 0
     restarts: int = 0
@@ -171,18 +174,21 @@ class Engine:
     @property
     def unreported(self) -> int:
         """This gateway's requests on the engine that its last report counted neither
-        running nor waiting: ``max(in_flight, in_flight_at_metrics) − running −
-        waiting``, at least 0 (the report's own shortfall, and the requests sent
-        since, which it cannot have counted: an upper bound until the next scrape).
-        They sit in its front end (vLLM's API server: HTTP, tokenisation, the queue to
-        the engine core; llama.cpp's HTTP threads), which no engine metric counts,
-        so they are load the gateway must see itself (``limits.saturation`` counts
-        them as waiting). 0 for an engine that reports no running count."""
+        running nor waiting: ``in_flight_throughout − running − waiting``, at least 0,
+        where :attr:`in_flight_throughout` (the fewer of this gateway's requests in
+        flight when the scrape was sent and when it was stored) are requests the page
+        should have counted had they reached the engine's scheduler. They sit in its
+        front end (vLLM's API server: HTTP, tokenisation, the queue to the engine core;
+        llama.cpp's HTTP threads), which no engine metric counts, so they are load the
+        gateway must see itself (``limits.saturation`` counts them as waiting).
+        Requests sent since the scrape are not counted (the next scrape, one interval
+        later, tells whether they reached the scheduler), so a burst on an engine
+        that takes requests in at once is not held for an interval. 0 for an engine
+        that reports no running count."""
         m = self.metrics
         if m is None or "running" not in m.signals:
             return 0
-        mine = max(self.in_flight, self.in_flight_at_metrics)
-        return max(0, mine - m.num_running - m.num_waiting)
+        return max(0, self.in_flight_throughout - m.num_running - m.num_waiting)
 
 
 class EnginePool:
@@ -251,6 +257,7 @@ class EnginePool:
         :attr:`Engine.in_flight_at_metrics`)."""
         engine.metrics = snapshot
         engine.in_flight_at_metrics = max(in_flight_at_send, engine.in_flight)
+        engine.in_flight_throughout = min(in_flight_at_send, engine.in_flight)
         if engine.latency is not None and snapshot.counters is not None:
             engine.latency.scraped(snapshot.counters)
         self.notify()

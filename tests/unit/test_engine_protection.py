@@ -7,7 +7,7 @@ import random
 
 import config.schema  # noqa: F401 - first: engines.interfaces alone hits an import cycle
 from engines.kinds.llamacpp import parse_slot_tokens
-from engines.pool import Engine, EngineState, MetricsSnapshot
+from engines.pool import Engine, EnginePool, EngineState, MetricsSnapshot
 from limits.engine_latency import EngineLatency
 from limits.latency_model import THROUGHPUT_SHARE, LatencyModel
 from limits.saturation import SaturationDetector
@@ -96,12 +96,17 @@ def test_best_effort_holds_the_engine_at_its_throughput_knee() -> None:
     assert not eng.decide(100, 10.0, 0.1, reported_load=50, elsewhere=False).admit
 
 
-def engine(in_flight: int, running: int, waiting: int, *, at_metrics: int | None = None,
+def engine(in_flight: int, running: int, waiting: int, *, at_send: int | None = None,
            signals: frozenset[str] = frozenset({"kv_usage", "running", "waiting"})) -> Engine:
+    """An engine whose last scrape read ``running``/``waiting`` while this gateway had
+    ``at_send`` (default ``in_flight``) requests on it when sending the scrape and
+    ``in_flight`` when storing it (and now)."""
+    pool = EnginePool()
     e = Engine("e0", "m", "http://127.0.0.1:1", state=EngineState.READY, in_flight=in_flight)
-    e.metrics = MetricsSnapshot(at=100.0, kv_cache_usage=0.1, num_running=running,
-                                num_waiting=waiting, signals=signals)
-    e.in_flight_at_metrics = in_flight if at_metrics is None else at_metrics
+    pool.add(e)
+    pool.set_metrics(e, MetricsSnapshot(at=100.0, kv_cache_usage=0.1, num_running=running,
+                                        num_waiting=waiting, signals=signals),
+                     in_flight if at_send is None else at_send)
     return e
 
 
@@ -121,8 +126,16 @@ def test_requests_the_engine_does_not_report_count_as_waiting() -> None:
     assert not detector.admits(engine(13, running=8, waiting=0), "interactive", 100, 101.0)
     # reported waiting and unreported add up
     assert not detector.admits(engine(12, running=6, waiting=3), "interactive", 100, 101.0)
-    # requests sent since the scrape are not on its page either
-    assert engine(9, running=4, waiting=0, at_metrics=4).unreported == 5
+    # sent during the scrape's round trip: not yet counted (the next scrape tells)
+    assert engine(9, running=4, waiting=0, at_send=4).unreported == 0
+    # finished during the round trip: not counted as unreported either
+    assert engine(4, running=6, waiting=0, at_send=6).unreported == 0
+    # the flood seen from one scrape to the next
+    assert engine(500, running=2, waiting=0, at_send=480).unreported == 478
+    # requests sent after the scrape count from the next one
+    later = engine(8, running=8, waiting=0)
+    later.in_flight = 30
+    assert later.unreported == 0
     # llama.cpp: busy slots and deferred tasks are its running and waiting
     llama = engine(40, running=4, waiting=0, signals=frozenset({"running", "waiting"}))
     assert llama.unreported == 36
