@@ -80,8 +80,13 @@ async def test_a_256_client_burst_is_held_at_the_engines_knee(tmp_path) -> None:
     # at best effort, with the engine held at its learned throughput knee
     at_best = [(f, lim) for f, lim, be in samples if be == 1.0]
     assert len(at_best) >= len(samples) // 2
-    assert all(f <= lim for f, lim in at_best)
-    knee = max(lim for _, lim in at_best)
+    # in flight never above the limit learned so far (a knee that falls leaves the
+    # requests already admitted under it to finish)
+    highest = 0.0
+    for f, lim in at_best:
+        highest = max(highest, lim)
+        assert f <= highest, (f, lim, at_best)
+    knee = highest
     # the profile's decode alone puts it at 0.9 × 114 / (0.1 × 10.5) ≈ 98, its
     # prefill per sequence lower: well under the 256 clients
     assert knee < CLIENTS / 2
