@@ -89,7 +89,8 @@ class MetricsPoller:
             log.info("engine %s (%s): all load signals read", self.engine.id, self.kind.name)
 
     async def read_slots(self) -> int | None:
-        """Read the engine's slot count into ``Engine.slots`` unless already read for
+        """Read the engine's slot count into ``Engine.slots`` (and one slot's context
+        into ``Engine.slot_tokens`` where the dialect has it) unless already read for
         its current generation; returns it (None: no endpoint, or the read failed and
         is retried on the next scrape)."""
         engine, kind = self.engine, self.kind
@@ -103,11 +104,14 @@ class MetricsPoller:
                 if resp.status != 200:
                     log.debug("slots %s: HTTP %d", url, resp.status)
                     return None
-                slots = kind.parse_slots(await resp.json(content_type=None))
+                props = await resp.json(content_type=None)
+                slots = kind.parse_slots(props)
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             log.debug("slots %s: %r", url, e)
             return None
         self._slots_generation = engine.generation
+        if kind.parse_slot_tokens is not None:
+            engine.slot_tokens = kind.parse_slot_tokens(props)
         if slots != engine.slots:
             log.info("engine %s (%s): %s slots", engine.id, kind.name, slots)
             engine.slots = slots

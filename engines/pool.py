@@ -45,7 +45,12 @@ class MetricsSnapshot:
         prefix_cache_hits: ``vllm:prefix_cache_hits[_total]``, tokens (counter).
         generation_tokens: ``vllm:generation_tokens[_total]``, tokens (counter).
         block_size: tokens per KV block, from ``vllm:cache_config_info``.
-        num_blocks: KV blocks (``num_gpu_blocks`` label of ``vllm:cache_config_info``).
+        num_blocks: KV blocks one sequence may fill: ``kv_tokens // block_size`` where
+            the engine exports ``kv_tokens``, else ``num_gpu_blocks`` of
+            ``vllm:cache_config_info`` (:func:`engines.kinds.vllm.parse_metrics`).
+        kv_tokens: the engine's own KV-cache capacity, tokens (vLLM's
+            ``kv_cache_size_tokens`` label: a hybrid-attention model's pool divided
+            among its KV-cache groups); None when not exported.
         signals: the load signals this scrape held (names in
             :data:`engines.kinds.SIGNALS`); other dialects map their own names onto
             the fields above (:mod:`engines.kinds`).
@@ -62,6 +67,7 @@ class MetricsSnapshot:
     generation_tokens: float = 0.0
     block_size: int | None = None
     num_blocks: int | None = None
+    kv_tokens: int | None = None
     signals: frozenset[str] = frozenset()
     counters: EngineCounters | None = None
 
@@ -81,6 +87,8 @@ class Engine:
             that is this process's own: ``in_flight`` when the scrape was sent or
             when it was stored, whichever is larger (a request that ended during the
             round trip may still be on the page).
+        in_flight_throughout: the fewer of ``in_flight`` when the scrape was sent and
+            when it was stored: requests the page should count (:attr:`unreported`).
         generation: bumped on every (re)start; caches keyed on the engine's content
             (prefix index) drop entries from older generations.
         promised_blocks: KV blocks reserved by in-flight requests (limits' KV budget).
@@ -97,6 +105,9 @@ class Engine:
             admission), or None while adaptive admission is off.
         slots: the most requests the engine runs at once, where it reports a fixed
             slot count (llama.cpp's ``/props`` ``total_slots``); None when unknown.
+        slot_tokens: the context of one slot, tokens, where the engine has fixed slots
+            (llama.cpp's ``/props`` ``default_generation_settings.n_ctx``: ``--ctx-size
+            / --parallel``); the most KV one request may fill there. None when unknown.
         kv_events: where the engine publishes KV-cache events, if it does.
     """
 
@@ -107,6 +118,7 @@ class Engine:
     in_flight: int = 0
     metrics: MetricsSnapshot | None = None
     in_flight_at_metrics: int = 0
+    in_flight_throughout: int = 0
     generation: int = 0
     promised_blocks: int = 0
     restarts: int = 0
@@ -118,6 +130,7 @@ class Engine:
     latency: EngineLatency | None = None
     kv_events: EventsEndpoint | None = None
     slots: int | None = None
+    slot_tokens: int | None = None
 
     @property
     def routable(self) -> bool:
@@ -144,6 +157,39 @@ class Engine:
     @property
     def metrics_at(self) -> float | None:
         return self.metrics.at if self.metrics else None
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """The most KV-cache tokens one request may fill on this engine, as the engine
+        has it: one slot's context where it has fixed slots (:attr:`slot_tokens`),
+        else its KV capacity (:attr:`num_blocks` × :attr:`block_size`, the engine's own
+        token figure where it exports one); None when unknown."""
+        if self.slot_tokens is not None:
+            return self.slot_tokens
+        if self.metrics is not None and self.metrics.kv_tokens:
+            return self.metrics.kv_tokens
+        if self.num_blocks and self.block_size:
+            return self.num_blocks * self.block_size
+        return None
+
+    @property
+    def unreported(self) -> int:
+        """This gateway's requests on the engine that its last report counted neither
+        running nor waiting: ``in_flight_throughout − running − waiting``, at least 0,
+        where :attr:`in_flight_throughout` (the fewer of this gateway's requests in
+        flight when the scrape was sent and when it was stored) are requests the page
+        should have counted had they reached the engine's scheduler. They sit in its
+        front end (vLLM's API server: HTTP, tokenisation, the queue to the engine core;
+        llama.cpp's HTTP threads), which no engine metric counts, so they are load the
+        gateway must see itself (``limits.saturation`` counts them as waiting).
+        Requests sent since the scrape are not counted (the next scrape, one interval
+        later, tells whether they reached the scheduler), so a burst on an engine
+        that takes requests in at once is not held for an interval. 0 for an engine
+        that reports no running count."""
+        m = self.metrics
+        if m is None or "running" not in m.signals:
+            return 0
+        return max(0, self.in_flight_throughout - m.num_running - m.num_waiting)
 
 
 class EnginePool:
@@ -212,6 +258,7 @@ class EnginePool:
         :attr:`Engine.in_flight_at_metrics`)."""
         engine.metrics = snapshot
         engine.in_flight_at_metrics = max(in_flight_at_send, engine.in_flight)
+        engine.in_flight_throughout = min(in_flight_at_send, engine.in_flight)
         if engine.latency is not None and snapshot.counters is not None:
             engine.latency.scraped(snapshot.counters)
         self.notify()

@@ -8,9 +8,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from config.schema import PRIORITIES, AdaptiveConfig, SloConfig
-from engines.pool import EnginePool
+from engines.pool import Engine, EnginePool
 from gateway.placement import Placer
 from limits import capacity
+
+
+def engine_kind(engine: Engine) -> str:
+    """The serving engine behind ``engine``: its spec's ``kind`` (``vllm``,
+    ``llamacpp``, ``sim``), or for an external one the dialect it speaks."""
+    kind = engine.labels.get("kind", "external")
+    return engine.labels.get("dialect", kind) if kind == "external" else kind
 
 
 class CapacityReport:
@@ -34,7 +41,7 @@ class CapacityReport:
         tightest = min(self.slo.target(p).tpot_s for p in PRIORITIES)
         return [capacity.EngineView(e.id, e.labels.get("spec", e.id), e.latency.model,
                                     e.latency.mode(tightest), e.block_size, e.num_blocks,
-                                    e.cost_per_hour)
+                                    e.cost_per_hour, engine_kind(e), e.kv_capacity_tokens)
                 for e in self.pool.for_model(model) if e.latency is not None]
 
     def report(self, model: str, target_rate: float | None) -> dict[str, object]:

@@ -177,18 +177,44 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return 0
     for m in data["models"]:
-        print(f"model {m['model']}  mix {m['mix']}")
-        for e in m["engines"]:
-            knees = ", ".join(f"{b} {v['knee']} (max-num-seqs {v['max_num_seqs']}, "
-                              f"{v['requests_per_s']:.2f} req/s)" for b, v in e["bands"].items())
-            print(f"  {e['engine']:16} [{e['mode']}] {knees}")
-        fleet = m.get("fleet")
-        if fleet:
-            for kind, f in fleet["by_kind"].items():
-                price = "" if f["cost_per_hour"] is None else f", {f['cost_per_hour']}/h"
-                print(f"  {m['target_rate']} req/s within the {fleet['band']} SLO: "
-                      f"{f['engines']} x {kind}{price}")
+        print(capacity_text(m))
     return 0
+
+
+def capacity_text(m: dict) -> str:
+    """One model's ``GET /admin/capacity`` entry in words (``sluice capacity``)."""
+    mix = m.get("mix")
+    if not mix:
+        return f"model {m['model']}: no request finished yet, nothing measured"
+    lines = [f"model {m['model']}: requests of {mix['prompt_tokens']:.0f} prompt tokens "
+             f"({mix['uncached_tokens']:.0f} uncached) and {mix['output_tokens']:.0f} "
+             "output tokens on average"]
+    for e in m["engines"]:
+        kv = e.get("kv_capacity_tokens")
+        kv_text = "KV cache not reported" if kv is None else f"KV cache {kv:,} tokens"
+        lines.append(f"  engine {e['engine']} ({e['kind']} engine, spec {e.get('spec', '?')}; "
+                     f"{kv_text}; admission: {e['mode'].replace('_', ' ')})")
+        for band, v in e["bands"].items():
+            if v.get("within_slo", v["requests_per_s"] > 0):
+                lines.append(f"    {band}: {v['requests_per_s']:.2f} requests/s within the "
+                             f"SLO at up to {v['max_num_seqs']} in flight (knee {v['knee']})")
+            else:
+                lines.append(f"    {band}: cannot meet the SLO even with one request; at best "
+                             f"effort {v.get('best_effort_requests_per_s', 0):.2f} requests/s "
+                             f"at up to {v.get('throughput_knee', '?')} in flight "
+                             "(throughput knee)")
+    fleet = m.get("fleet")
+    if fleet:
+        for spec, f in fleet["by_kind"].items():
+            what = f"{spec} ({f.get('engine_kind', spec)} engine)"
+            if f["engines"] is None:
+                lines.append(f"  {m['target_rate']} requests/s within the {fleet['band']} "
+                             f"SLO: no number of {what} meets it")
+                continue
+            price = "" if f["cost_per_hour"] is None else f", {f['cost_per_hour']} per hour"
+            lines.append(f"  {m['target_rate']} requests/s within the {fleet['band']} SLO: "
+                         f"{f['engines']} x {what}{price}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

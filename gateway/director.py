@@ -473,7 +473,7 @@ class Director:
         ready = [e for e in self.pool.for_model(req.model) if e.routable]
         if not ready:
             raise self._no_engine(req)
-        capacity = [e.num_blocks * e.block_size for e in ready if e.num_blocks and e.block_size]
+        capacity = [c for e in ready if (c := e.kv_capacity_tokens)]
         kv = self._kv_tokens(req)
         if capacity and len(capacity) == len(ready) and kv > max(capacity):
             raise Rejected(Outcome.CONTEXT_LENGTH_EXCEEDED,
@@ -482,6 +482,10 @@ class Director:
                            param=req.prompt_param)
         max_wait = min(tenant.max_queue_wait_s or self.cfg.gateway.queue.default_max_wait_s,
                        timeout_s or math.inf)
+        # at best effort the deadline bounds the answer: the wait leaves room for the run
+        bound = self.placer.best_effort_wait_s(req.model, tenant.priority, max_wait)
+        if bound is not None:
+            timeout_s = max_wait = bound
         model = req.model
         self.placer.band_demand(model).arrived(tenant.priority)
         self._degrade(req, tenant, rec, max_wait)

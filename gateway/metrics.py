@@ -53,8 +53,8 @@ def rejection_reason(rec: RequestRecord) -> str:
 def concurrency_limit(engine: Engine, tpot_target_s: float) -> int | None:
     """The requests in flight ``engine`` may take now: its learned limit
     (:meth:`limits.engine_latency.EngineLatency.limit` for the ``tpot_target_s`` target,
-    s), at most its slots where it reports them; at best effort its slots; None while
-    adaptive admission is off, or at best effort on an engine without slots."""
+    s; at best effort its throughput knee), at most its slots where it reports them;
+    None while adaptive admission is off."""
     if engine.latency is None:
         return None
     learned = engine.latency.limit(tpot_target_s)
@@ -225,12 +225,12 @@ class FleetCollector(Collector):
         limit = GaugeMetricFamily(
             "sluice_engine_concurrency_limit", "Learned requests in flight per engine that "
             "keep the tightest TPOT target (the knee), at most the engine's slots where "
-            "it reports them; at best effort its slots (no sample without slots).",
+            "it reports them; at best effort its throughput knee.",
             labels=["engine", "model"])
         mode = GaugeMetricFamily(
             "sluice_engine_admission_mode", "1 for the active admission controller: model "
             "(fitted latency model), gradient (fallback limiter) or best_effort (the "
-            "engine misses the TPOT target even alone; its capacity signals admit).",
+            "engine misses the TPOT target even alone; held at its throughput knee).",
             labels=["engine", "model", "mode"])
         params = GaugeMetricFamily(
             "sluice_engine_latency_param", "Fitted latency-model parameter (s, s/token, "

@@ -35,7 +35,7 @@ from engines.pool import Engine, EngineLease, EnginePool
 from engines.scheduler import SchedRequest, Scheduler
 from gateway.disagg import Choice, Disaggregator, role, serves_whole
 from limits.band_demand import BandDemand
-from limits.engine_latency import EngineLatency, Flight
+from limits.engine_latency import EngineLatency, Flight, best_effort_wait_s
 from limits.gradient import GradientLimiter
 from limits.interfaces import Clock
 from limits.latency_model import LatencyModel
@@ -216,6 +216,26 @@ class Placer:
         if need.arrived is None:
             return math.inf
         return self.slo.target(need.priority).ttft_s - (now - need.arrived)
+
+    def best_effort_wait_s(self, model: str, priority: Priority,
+                           max_wait_s: float) -> float | None:
+        """The longest a ``priority`` request of ``model`` whose queue deadline is
+        ``max_wait_s`` (s) away should wait in the queue when every ready engine
+        serves its band at best effort
+        (:meth:`~limits.engine_latency.EngineLatency.best_effort`): that deadline less
+        the band's mean time on an engine
+        (:func:`~limits.engine_latency.best_effort_wait_s`), so what is admitted is
+        answered by it and the queue refuses at once, with ``Retry-After``, what it
+        predicts would wait longer. None otherwise, or before a request of the band
+        has been timed."""
+        if not self.adaptive.enabled:
+            return None
+        tpot_s = self.slo.target(priority).tpot_s
+        ready = [e for e in self.pool.for_model(model) if e.routable and serves_whole(e)]
+        if not ready or any(e.latency is None or not e.latency.best_effort(tpot_s)
+                            for e in ready):
+            return None
+        return best_effort_wait_s(max_wait_s, self.band_demand(model).service_s(priority))
 
     def within_slo(self, engines: list[Engine], need: Need, now: float,
                    prefill: Sequence[Engine] = ()) -> list[Engine]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import Counter, Histogram
@@ -26,6 +26,33 @@ from gateway.reload import ReloadEvent
 from limits.admission import AdmissionQueue
 
 ADMITTED = {"ok", "cache_hit"}
+#: Rejections that mean the gateway or its engines are overloaded (``sluice_rejected``
+#: reasons start with one of these): shedding. A tenant over its own quota
+#: (``rate_limited``, ``exceeds_quota``) or a prompt over its limit is not.
+OVERLOAD = ("overloaded", "queue_timeout", "no_engine")
+#: Seconds with requests in flight and none finishing after which the headline reads
+#: ``STALLED``.
+STALL_S = 10.0
+
+
+def headline(shed_rps: float, queued: int, recent_admitted_rps: Sequence[float],
+             engines: Sequence[tuple[int, int | None]], interval_s: float) -> str:
+    """The dashboard's headline: ``REJECTING`` while requests are shed for overload
+    (:data:`OVERLOAD`; a tenant's own quota does not count), ``STALLED`` when requests
+    are in flight but none has finished for :data:`STALL_S` (``recent_admitted_rps``:
+    the latest readings, ``interval_s`` apart), ``SATURATED`` when an engine is at its
+    concurrency limit (``engines``: (in flight, limit or None) each), ``QUEUEING``
+    while requests wait in the queue, else ``OK``."""
+    in_flight = sum(f for f, _ in engines)
+    window = max(1, round(STALL_S / interval_s))
+    recent = list(recent_admitted_rps)[-window:]
+    if shed_rps > 0:
+        return "REJECTING"
+    if in_flight > 0 and len(recent) >= window and not any(recent):
+        return "STALLED"
+    if any(lim is not None and f >= lim for f, lim in engines):
+        return "SATURATED"
+    return "QUEUEING" if queued > 0 else "OK"
 
 
 def _buckets(hist: Histogram) -> list[tuple[float, float]]:
@@ -110,10 +137,12 @@ class StatsFeed:
         self._rates.pop(engine.id, None)
 
     def _totals(self) -> tuple[float, float]:
+        """Requests admitted and shed for overload (:data:`OVERLOAD`) so far."""
         admitted = sum(v for lab, v in _counter_values(self.metrics.requests)
                        if lab["outcome"] in ADMITTED)
-        rejected = sum(v for _, v in _counter_values(self.metrics.rejected))
-        return admitted, rejected
+        shed = sum(v for lab, v in _counter_values(self.metrics.rejected)
+                   if lab["reason"].split(":")[0] in OVERLOAD)
+        return admitted, shed
 
     def sample(self) -> None:
         """Take one reading (the sampler task calls this every ``interval_s``)."""
@@ -186,13 +215,18 @@ class StatsFeed:
             "running": e.metrics.num_running if e.metrics else 0,
             "waiting": e.metrics.num_waiting if e.metrics else 0,
             "in_flight": e.in_flight, "restarts": e.restarts,
+            "kv_capacity_tokens": e.kv_capacity_tokens,
             "limit": concurrency_limit(e, self.tpot_target_s),
             "mode": e.latency.mode(self.tpot_target_s) if e.latency is not None else None,
             "output_tokens_per_hour": self._rates.get(e.id, (None, None))[0],
             "cost_per_1k_output_tokens": self._rates.get(e.id, (None, None))[1],
         } for e in self.pool.engines]
+        queued = sum(len(q) for q in self.queues.values())
+        status = headline(self.shed_rps[-1] if self.shed_rps else 0.0, queued,
+                          self.admitted_rps,
+                          [(e["in_flight"], e["limit"]) for e in engines], self.interval_s)
         return {
-            "now": time.time(), "interval_s": self.interval_s,
+            "now": time.time(), "interval_s": self.interval_s, "status": status,
             "series": {"t": list(self.t),
                        "queue_depth": {p: list(d) for p, d in self.depth.items()},
                        "admitted_rps": list(self.admitted_rps), "shed_rps": list(self.shed_rps),

@@ -17,7 +17,11 @@ tokens ``p``, uncached prompt tokens ``u`` and output tokens ``o``:
   requests/s, and ``× o`` output tokens/s — 0 when the band's SLO cannot be met there
   at all: one request alone misses its TTFT target (TTFT̂(u, 0) + ``z`` σ) or its TPOT
   target (TPOT̂(1) + ``z`` σ, where the engine serves that band at best effort,
-  :meth:`~limits.engine_latency.EngineLatency.best_effort`).
+  :meth:`~limits.engine_latency.EngineLatency.best_effort`); ``within_slo`` says
+  which;
+* at best effort, what the admission holds the engine to instead: its throughput
+  knee (:meth:`~limits.latency_model.LatencyModel.throughput_knee`) and the requests/s
+  it serves there by the same Little's law (``best_effort_requests_per_s``).
 
 Engines needed for a rate ``R``: ``ceil(R / throughput)`` of one kind (its spec
 name), priced at ``cost_per_hour`` when the spec declares one.
@@ -43,7 +47,11 @@ class Mix:
 
 @dataclass(frozen=True)
 class EngineView:
-    """What the report needs of one engine."""
+    """What the report needs of one engine: ``kind`` is its spec's name (engines of
+    one spec are one kind of hardware and price: the fleet is sized per spec),
+    ``engine_kind`` the serving engine (``vllm``, ``llamacpp``, ``sim``, or an
+    external engine's dialect), ``kv_capacity_tokens`` the KV cache one request may
+    fill as the engine reports it (:attr:`engines.pool.Engine.kv_capacity_tokens`)."""
 
     id: str
     kind: str
@@ -52,6 +60,8 @@ class EngineView:
     block_size: int | None
     num_blocks: int | None
     cost_per_hour: float | None
+    engine_kind: str | None = None
+    kv_capacity_tokens: int | None = None
 
 
 def band_capacity(model: LatencyModel, mix: Mix, ttft_s: float, tpot_s: float, z: float,
@@ -69,9 +79,19 @@ def band_capacity(model: LatencyModel, mix: Mix, ttft_s: float, tpot_s: float, z
     meets = (model.predict_ttft(mix.uncached_tokens, 0).upper(z) <= ttft_s
              and model.tpot_alone_s(z) <= tpot_s)
     rps = concurrency / service if service > 0 and meets else 0.0
-    return {"knee": knee, "kv_blocks_per_request": blocks, "kv_bound": kv_bound,
-            "max_num_seqs": concurrency, "requests_per_s": round(rps, 4),
-            "output_tokens_per_s": round(rps * mix.output_tokens, 2)}
+    out: dict[str, float | int | bool | None] = {
+        "knee": knee, "kv_blocks_per_request": blocks, "kv_bound": kv_bound,
+        "max_num_seqs": concurrency, "requests_per_s": round(rps, 4),
+        "output_tokens_per_s": round(rps * mix.output_tokens, 2), "within_slo": meets}
+    if not meets:  # best effort: held at the throughput knee
+        held = model.throughput_knee()
+        if kv_bound is not None:
+            held = max(1, min(held, kv_bound))
+        at = (model.predict_ttft(mix.uncached_tokens, held).mean
+              + model.predict_tpot(held).mean * max(0.0, mix.output_tokens - 1))
+        out["throughput_knee"] = held
+        out["best_effort_requests_per_s"] = round(held / at, 4) if at > 0 else 0.0
+    return out
 
 
 def report(engines: Sequence[EngineView], mix: Mix, slo: Mapping[str, tuple[float, float]],
@@ -89,7 +109,8 @@ def report(engines: Sequence[EngineView], mix: Mix, slo: Mapping[str, tuple[floa
     for e in engines:
         bands = {b: band_capacity(e.model, mix, t, p, z, e.block_size, e.num_blocks)
                  for b, (t, p) in slo.items()}
-        rows.append({"engine": e.id, "kind": e.kind, "mode": e.mode,
+        rows.append({"engine": e.id, "spec": e.kind, "kind": e.engine_kind or e.kind,
+                     "kv_capacity_tokens": e.kv_capacity_tokens, "mode": e.mode,
                      "params": {k: round(float(v), 6) for k, v in e.model.params().items()},
                      "cost_per_hour": e.cost_per_hour, "bands": bands})
     out: dict[str, object] = {
@@ -101,12 +122,13 @@ def report(engines: Sequence[EngineView], mix: Mix, slo: Mapping[str, tuple[floa
     if target_rate is not None and rows:
         tightest = min(slo, key=lambda b: slo[b][1])
         fleet = {}
-        for kind in dict.fromkeys(r["kind"] for r in rows):
-            mine = [r for r in rows if r["kind"] == kind]
+        for kind in dict.fromkeys(r["spec"] for r in rows):
+            mine = [r for r in rows if r["spec"] == kind]
             rps = sum(r["bands"][tightest]["requests_per_s"] for r in mine) / len(mine)
             n = math.ceil(target_rate / rps) if rps > 0 else None
             cost = mine[0]["cost_per_hour"]
-            fleet[kind] = {"requests_per_s_per_engine": round(rps, 4), "engines": n,
+            fleet[kind] = {"engine_kind": mine[0]["kind"],
+                           "requests_per_s_per_engine": round(rps, 4), "engines": n,
                            "cost_per_hour": round(n * cost, 4) if n and cost is not None else None}
         out["fleet"] = {"band": tightest, "by_kind": fleet}
     return out

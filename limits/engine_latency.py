@@ -55,7 +55,9 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
         tightest_running_tpot_s: smallest TPOT target among requests in flight there,
             s (None when none).
         z: standard deviations added to predictions (conservatism).
-        limit: when given, the fallback concurrency limit replaces the TPOT rule.
+        limit: when given, the fallback concurrency limit replaces the TPOT rule; at
+            best effort, the throughput knee (:meth:`LatencyModel.throughput_knee`):
+            the engine takes the request only while fewer are in flight.
         reserve: requests of more urgent bands expected on this engine that are not
             there yet (:class:`BandDemand`); the TPOT rule keeps room for them on top
             of this request.
@@ -63,8 +65,9 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
             band's occupancy, :meth:`BandDemand.occupancy`, per engine); None: no
             burst rule.
         best_effort: the engine serves the request's TPOT target at best effort
-            (:meth:`EngineLatency.best_effort`): rule 1 alone decides, on TTFT̂'s
-            mean while the TTFT fit is not trusted, and only when ``elsewhere``.
+            (:meth:`EngineLatency.best_effort`): rule 1 decides, on TTFT̂'s mean
+            while the TTFT fit is not trusted, and only when ``elsewhere``; then
+            ``limit`` (the throughput knee) instead of the TPOT rule.
         elsewhere: another engine may serve the request within its SLO (else, at
             best effort, holding it back would only move its wait from this engine's
             queue to the gateway's: docs/adaptive-admission.md, "Best effort").
@@ -90,8 +93,9 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
     if (judge and (best_effort or not waited_out)
             and ttft.upper(ttft_z) > max(ttft_budget_s, alone.upper(ttft_z))):
         return Verdict(False, ttft, None, "ttft")
-    if best_effort:
-        return Verdict(True, ttft, None, best_effort=True)
+    if best_effort:  # the throughput knee, when given, caps the engine
+        ok = limit is None or in_flight == 0 or in_flight < math.floor(limit)
+        return Verdict(ok, ttft, None, None if ok else "throughput", best_effort=ok)
     if in_flight == 0:
         return Verdict(True, ttft, None)
     if limit is not None:
@@ -138,6 +142,34 @@ GRADIENT_ITL_TAU_S = 2.0
 
 #: Fewest decoded tokens in an interval for its mean inter-token latency to count.
 MIN_INTERVAL_TOKENS = 4
+
+#: Time constant of the smoothed throughput knee, s (:meth:`EngineLatency.throughput_limit`).
+KNEE_TAU_S = 10.0
+
+#: Shortest queue wait allowed at best effort, s (:func:`best_effort_wait_s`): a
+#: burst arriving together is not refused for the drain of a few requests.
+MIN_BEST_EFFORT_WAIT_S = 1.0
+
+
+def best_effort_wait_s(max_wait_s: float, service_s: float) -> float | None:
+    """The longest wait in the gateway's queue for a request that every engine serves
+    at best effort (held at its throughput knee), whose queue deadline is
+    ``max_wait_s`` away (s: the tenant's ``max_queue_wait_s``, the queue's default or
+    the client's ``x-request-timeout``): that deadline less its band's mean time on an
+    engine ``service_s`` (s, :meth:`BandDemand.service_s`), at least
+    :data:`MIN_BEST_EFFORT_WAIT_S` and at most ``max_wait_s``; None while
+    ``service_s`` is 0 (not yet timed).
+
+    Rule: no SLO holds there, so the deadline is read as the time to the answer: a
+    request admitted after waiting longer than the rest would end past it, so the
+    queue refuses it at once, with ``Retry-After`` from its drain rate
+    (:mod:`limits.admission`), rather than let it wait and then run past the client's
+    patience (seen on the simulated CPU engine with the shipped 30 s queue wait and a
+    60 s client timeout, both a tenth in time: requests that waited the whole queue
+    deadline then took 3 s more on the engine and timed out at the client)."""
+    if service_s <= 0:
+        return None
+    return min(max_wait_s, max(MIN_BEST_EFFORT_WAIT_S, max_wait_s - service_s))
 
 
 def interval_observations(prev: EngineCounters, now: EngineCounters) -> IntervalObservations:
@@ -247,6 +279,9 @@ class EngineLatency:
         self._best_effort: set[float] = set()  # TPOT targets served at best effort, s
         #: the scrapes' inter-token latency averaged over GRADIENT_ITL_TAU_S, s
         self._itl: float | None = None
+        #: the throughput knee, smoothed over :data:`KNEE_TAU_S` (:meth:`throughput_limit`)
+        self._knee: float | None = None
+        self._knee_at = -math.inf
 
     def best_effort(self, tpot_target_s: float) -> bool:
         """Whether requests of TPOT target ``tpot_target_s`` (s) are served at best
@@ -256,7 +291,9 @@ class EngineLatency:
         an extrapolation, not evidence), or exceeded it and has not yet fallen under
         :data:`BEST_EFFORT_EXIT` × the target (docs/adaptive-admission.md, "Best effort")."""
         was = tpot_target_s in self._best_effort
-        alone = self.model.tpot_alone_s(self.z) if self.model.confident else None
+        if not self.model.confident:  # an untrusted fit is no evidence to leave it
+            return was
+        alone = self.model.tpot_alone_s(self.z)
         now = (alone is not None and alone > tpot_target_s * (BEST_EFFORT_EXIT if was else 1.0)
                and (was or self.model.alone_observed))
         if now != was:
@@ -273,9 +310,9 @@ class EngineLatency:
         """The controller that admits requests of TPOT target ``tpot_target_s`` (s):
         ``best_effort`` (:meth:`best_effort`), ``model`` (the fitted model's rules) or
         ``gradient`` (the fallback limiter, while the model is not trusted)."""
-        if not self.model.confident:
-            return "gradient"
-        return "best_effort" if self.best_effort(tpot_target_s) else "model"
+        if self.best_effort(tpot_target_s):
+            return "best_effort"
+        return "model" if self.model.confident else "gradient"
 
     @property
     def in_flight(self) -> int:
@@ -289,15 +326,37 @@ class EngineLatency:
     def limit(self, tpot_target_s: float) -> int | None:
         """The concurrency limit now for a request of TPOT target ``tpot_target_s``
         (s): the model's knee for the tightest of it and the running targets, the
-        gradient limiter's, or None at best effort (no learned limit: the engine's
-        capacity signals admit)."""
+        gradient limiter's, or at best effort the throughput knee
+        (:meth:`LatencyModel.throughput_knee`: no batch meets the target, so the
+        engine is held where its token rate stops growing and the rest wait in the
+        gateway's queue, which refuses early what would wait past its deadline)."""
         mode = self.mode(tpot_target_s)
         if mode == "gradient":
             return max(1, math.floor(self.gradient.limit))
         if mode == "best_effort":
-            return None
+            return self.throughput_limit()
         target = min(tpot_target_s, self.tightest_tpot_s() or math.inf)
         return self.model.knee(target, self.z)
+
+    def throughput_limit(self) -> int:
+        """The concurrency limit at best effort: the model's throughput knee
+        (:meth:`LatencyModel.throughput_knee`) smoothed over :data:`KNEE_TAU_S`
+        (weight ``1 − e^(−Δt/τ)`` per reading, Δt the time since the last), and held
+        while the fit is not trusted. Held at one batch size, the fit sees little
+        spread of batches, so its fixed step time and per-sequence cost trade off
+        from one scrape to the next and the knee, their ratio, swings (seen: 12 to
+        68 within seconds on the simulated CPU engine); the smoothed knee follows a
+        real change within tens of seconds. Requests, ≥ 1."""
+        now = self.clock.now()
+        if self.model.confident or self._knee is None:
+            knee = self.model.throughput_knee()
+            if self._knee is None:
+                self._knee = float(knee)
+            else:
+                w = 1.0 - math.exp(-max(0.0, now - self._knee_at) / KNEE_TAU_S)
+                self._knee += w * (knee - self._knee)
+            self._knee_at = now
+        return max(1, round(self._knee))
 
     def predict_ttft(self, uncached_tokens: int) -> Prediction:
         """TTFT̂ of a request of ``uncached_tokens`` sent now, s."""
@@ -319,16 +378,21 @@ class EngineLatency:
         :func:`engines.plugins.engine_load`) replaces the ledger's in-flight count
         when larger; ``reserve`` and
         ``sustained`` and ``elsewhere`` as there. At best effort (:meth:`best_effort`)
-        rule 1 alone decides when ``elsewhere``, and nothing but the capacity signals
-        when not (``Verdict.best_effort`` when admitted)."""
+        rule 1 decides when ``elsewhere``, and the throughput knee caps the engine
+        (``Verdict.best_effort`` when admitted)."""
+        best_effort = self.best_effort(tpot_target_s)
+        limit: float | None = None
+        if best_effort:
+            limit = self.throughput_limit()
+        elif not self.model.confident:
+            limit = self.gradient.limit
         return decide(self.model, uncached_tokens=uncached_tokens,
                       pending_prefill_tokens=self.pending_prefill_tokens,
                       decoding=self.decoding, in_flight=self.occupied(reported_load),
                       ttft_budget_s=ttft_budget_s, tpot_target_s=tpot_target_s,
                       tightest_running_tpot_s=self.tightest_tpot_s(), z=self.z,
-                      limit=None if self.model.confident else self.gradient.limit,
-                      reserve=reserve, sustained=sustained,
-                      best_effort=self.best_effort(tpot_target_s), elsewhere=elsewhere,
+                      limit=limit, reserve=reserve, sustained=sustained,
+                      best_effort=best_effort, elsewhere=elsewhere,
                       ttft_target_s=ttft_target_s)
 
     # ------------------------------------------------------------------ the ledger

@@ -114,6 +114,9 @@ class EngineLoad(Protocol):
             decides).
         slots: the most requests the engine runs at once (a fixed slot count, e.g.
             llama.cpp's ``--parallel``); None when unknown.
+        unreported: this gateway's requests on the engine that its last report
+            counted neither running nor waiting (held in its front end, where no
+            engine metric counts them); 0 when it reports no running count.
     """
 
     @property
@@ -139,6 +142,9 @@ class EngineLoad(Protocol):
 
     @property
     def metered(self) -> bool: ...
+
+    @property
+    def unreported(self) -> int: ...
 
     @property
     def slots(self) -> int | None: ...

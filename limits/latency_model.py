@@ -141,6 +141,12 @@ class RecursiveLeastSquares:
         return True
 
 
+#: Share of the fitted model's highest token rate at which the throughput knee sits
+#: (:meth:`LatencyModel.throughput_knee`): 90 %, so a further request adds under a
+#: tenth of the rate it would add alone while the decode of every running request
+#: keeps slowing.
+THROUGHPUT_SHARE = 0.9
+
 #: Mean batch up to which a TPOT sample shows the engine's speed alone
 #: (:attr:`LatencyModel.alone_observed`).
 ALONE_BATCH = 2.0
@@ -248,6 +254,11 @@ class LatencyModel:
         #: EWMA of the decode steps of the requests seen to finish (None before one)
         self.request_steps: float | None = None
         self._since_alone = math.inf  # TPOT samples since the last at ≤ ALONE_BATCH
+        #: (mean batch, TPOT s) of the samples at ≤ ALONE_BATCH, weighted means
+        #: (EWMA by sample weight), never forgotten by time: the engine's speed alone
+        self._alone: tuple[float, float] | None = None
+        #: weighted mean batch of the recent TPOT samples (EWMA): where the engine runs
+        self._batch_seen: float | None = None
 
     # ------------------------------------------------------------------ predictions
 
@@ -286,6 +297,49 @@ class LatencyModel:
                 hi = mid - 1
         self._knee = (key, lo)
         return lo
+
+    def throughput_knee(self, share: float = THROUGHPUT_SHARE, *, cap: int = 1024) -> int:
+        """The concurrency past which the engine's token rate no longer grows much:
+        the smallest batch ``b`` (≥ 1, ≤ ``cap``) whose predicted rate ``b / TPOT̂(b)``
+        reaches ``share`` of the most the fit allows. With ``TPOT̂(b) = t0 + c b``
+        (``t0 = b0``, ``c = b1 + b2 ρ``: the step time's per-sequence part with the
+        turnover's prefill per sequence) the rate ``b / (t0 + c b)`` rises towards
+        ``1 / c`` and reaches ``share / c`` at ``b = share t0 / ((1 − share) c)``
+        (the saturation knee of a linear step-time model; Sarathi-Serve, Agrawal et
+        al., OSDI 2024, §3: decode batches amortise the fixed step until the
+        per-sequence work dominates). Past it each added request buys under
+        ``(1 − share)`` of the rate while lengthening every running request's decode
+        by ``c`` per token, so admission at best effort (no SLO any batch can meet)
+        holds the engine there (:meth:`limits.engine_latency.EngineLatency.limit`).
+        Predicted means: this is throughput, not a latency promise. ``cap`` where the
+        fit sees no per-sequence cost (``c = 0``: the rate grows without bound).
+
+        ``t0`` and ``c`` come from two points: the engine's TPOT alone (the weighted
+        mean of its samples at a batch of at most :data:`ALONE_BATCH`, kept however
+        old) and TPOT̂ at the batch it runs at now (the recent samples' mean batch,
+        where the fit is best identified). The fit's own intercept and slope are
+        used only before the engine was seen alone or while it runs near alone: held
+        at one batch, the fit sees no spread of batches and the two trade off freely
+        (seen on the simulated CPU engine at best effort: the intercept fell from
+        9 ms to 0 within seconds at a steady 24 in flight, which would put the knee
+        at 1).
+
+        Raises:
+            ValueError: ``share`` not in (0, 1).
+        """
+        if not 0 < share < 1:
+            raise ValueError("share must be in (0, 1)")
+        b = self._batch_seen
+        if self._alone is not None and b is not None and b >= 2 * ALONE_BATCH:
+            b_alone, t_alone = self._alone
+            per_seq = (self.predict_tpot(b).mean - t_alone) / (b - b_alone)
+            t0 = t_alone - per_seq * b_alone
+        else:
+            t0 = self.predict_tpot(0).mean
+            per_seq = self.predict_tpot(1).mean - t0
+        if per_seq <= 0:
+            return cap
+        return max(1, min(cap, math.ceil(share * max(0.0, t0) / ((1 - share) * per_seq))))
 
     def prefill_budget(self, tpot_target_s: float, batch: float,
                        stall_s: float | None = None) -> float | None:
@@ -357,6 +411,12 @@ class LatencyModel:
         if not self.tpot.update((1.0, mean_batch, prefill_per_step), tpot_s, weight):
             return False
         self._since_alone = 0 if mean_batch <= ALONE_BATCH else self._since_alone + 1
+        a = 0.1 * min(1.0, weight)
+        self._batch_seen = mean_batch if self._batch_seen is None else \
+            self._batch_seen + a * (mean_batch - self._batch_seen)
+        if mean_batch <= ALONE_BATCH:
+            old = self._alone or (mean_batch, tpot_s)
+            self._alone = (old[0] + a * (mean_batch - old[0]), old[1] + a * (tpot_s - old[1]))
         return True
 
     def observe_turnover(self, uncached_tokens: float, generated_tokens: float,

@@ -18,7 +18,13 @@ priority when all hold:
    ``unmetered_max_in_flight`` requests in flight (the concurrency limit of a
    closed-loop admission controller);
 3. at most ``max_waiting`` requests wait inside the engine (a growing engine queue
-   means its scheduler has no room; the gateway's queue orders them better);
+   means its scheduler has no room; the gateway's queue orders them better): those
+   its report counts waiting, plus this gateway's requests it counts neither running
+   nor waiting (``EngineLoad.unreported``: held in its front end — vLLM's API server
+   parsing, tokenising and handing them to the engine core, llama.cpp's HTTP
+   threads — where no engine metric sees them; under a burst of hundreds of
+   clients the packaged vLLM engine reported 1–2 running and 0 waiting while
+   hundreds of requests sat there, and answered none of them within 60 s);
 4. when ``max_in_flight`` is set, fewer than that many of this gateway's requests
    run on the engine: decode time per step grows with the batch, so the batch size
    that still meets the TPOT SLO is a hard cap (the concurrency limit of a
@@ -108,7 +114,7 @@ class SaturationDetector:
         fresh = load.metrics_at is not None and now - load.metrics_at <= self.stale_s
         if not fresh and load.metered:
             return False
-        if fresh and load.num_waiting > self.max_waiting:
+        if fresh and load.num_waiting + load.unreported > self.max_waiting:
             return False
         if load.slots is not None and load.in_flight >= load.slots:
             return False

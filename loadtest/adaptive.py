@@ -656,7 +656,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parts", nargs="+", choices=("homogeneous", "heterogeneous", "shift"),
                    default=["homogeneous", "heterogeneous", "shift"])
     p.add_argument("--engines", type=int, default=4)
-    p.add_argument("--profile", default="cpu-gemma3-270m")
+    p.add_argument("--profile", default="cpu-gemma3-270m-quiet")
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--het-speeds", type=float, nargs="+", default=[0.5, 1.0, 1.0, 2.0])
     p.add_argument("--duration", type=float, default=40.0, help="send window per run, s")

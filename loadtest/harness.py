@@ -78,7 +78,7 @@ def tenant_entry(name: str, **quota: Any) -> dict[str, Any]:
 def sim_engines(replicas: int, speed: float, *args: str) -> dict[str, Any]:
     """An engines.yaml entry: ``replicas`` simulator processes launched by the gateway."""
     return {"name": "sim", "model": MODEL, "kind": "sim", "replicas": replicas,
-            "args": ["--profile", "cpu-gemma3-270m", "--speed", str(speed),
+            "args": ["--profile", "cpu-gemma3-270m-quiet", "--speed", str(speed),
                      "--max-model-len", "4096", *args]}
 
 

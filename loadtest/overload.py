@@ -1,7 +1,7 @@
 """``python -m loadtest overload --json PATH``: admission control under overload.
 
 Four simulated engines (``loadtest.sim_engine``, default profile
-``cpu-gemma3-270m`` at speed 1, so simulated time is wall time and the SLO needs no
+``cpu-gemma3-270m-quiet`` at speed 1, so simulated time is wall time and the SLO needs no
 scaling) serve the ``mixed-tenants`` workload: three tenants, ``acme``
 (interactive, 30 % of requests), ``globex`` (standard, 50 %), ``initech`` (batch,
 20 %), each with its own shared system prompt, Poisson arrivals.
@@ -432,7 +432,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    choices=sorted(k for k, kind in KINDS.items() if kind.metrics_path),
                    help="the engines' dialects, cycled (e.g. vllm vllm sglang sglang: a mixed "
                    "fleet); default all vllm")
-    p.add_argument("--profile", default="cpu-gemma3-270m")
+    p.add_argument("--profile", default="cpu-gemma3-270m-quiet")
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--duration", type=float, default=40.0, help="send window per run, s")
     p.add_argument("--drain", type=float, default=15.0,

@@ -2,7 +2,7 @@
 held at ``--load`` × capacity for ``--minutes``.
 
 The stand and workload are the overload benchmark's (``loadtest.overload``):
-``--engines`` simulated engines (default 4, profile ``cpu-gemma3-270m``, speed 1),
+``--engines`` simulated engines (default 4, profile ``cpu-gemma3-270m-quiet``, speed 1),
 the ``mixed-tenants`` workload (interactive ``acme``, standard ``globex``, batch
 ``initech``), open-loop Poisson arrivals, the gateway with the shipped saturation
 defaults (adaptive per-engine admission, no ``max_in_flight``) and the overload

@@ -13,6 +13,17 @@ generates exactly ``max_tokens``):
   ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` and the
   second TTFT.
 
+* Closed loop (``--closed-loop``, default 1, 8, 32, 128 clients, ``--closed-loop-s``
+  s each, default 30): the short Arena-Hard chats of ``python -m loadtest burst``
+  (``max_tokens`` 32, client timeout 60 s, :func:`loadtest.burst.closed_loop`):
+  answered requests per second and their mean and median latency, front-end
+  queueing included. The issue-41 target: answered/s and the mean latency (the one
+  Little's law ties to it; the real engine's median sits well under its mean under
+  load) within 20 % at every concurrency (``closed_loop_within_20pct`` in the JSON).
+
+Without ``--real`` it launches the engine the shipped configuration launches
+(``sluice serve``; its engine is probed straight) and probes that.
+
 Output: a table (metric, real, sim, relative error = sim / real − 1) and, with
 ``--json PATH``, the same rows as JSON.
 """
@@ -106,6 +117,8 @@ async def probe(base: str, args: argparse.Namespace) -> dict[str, float]:
             tpots = [(t[-1] - t[0]) / (len(t) - 1) for _, t in runs if len(t) > 1]
             out[f"tpot_ms@c={c}"] = 1000 * statistics.median(tpots)
             out[f"throughput_tok_s@c={c}"] = sum(len(t) for _, t in runs) / wall
+        if args.skip_probes:
+            return out | await closed_loop_probe(s, base, model, args)
         prompt = _prompt(rng, args.prefix_len)
         before = await _scrape(s, base)
         first, _ = await _stream(s, base, model, prompt, 2)
@@ -115,14 +128,49 @@ async def probe(base: str, args: argparse.Namespace) -> dict[str, float]:
         out["prefix_cache_hits_delta"] = after.prefix_cache_hits - before.prefix_cache_hits
         out["ttft_ms@prefix_first"] = 1000 * first
         out["ttft_ms@prefix_second"] = 1000 * second
+        out |= await closed_loop_probe(s, base, model, args)
+    return out
+
+
+async def closed_loop_probe(session: aiohttp.ClientSession, base: str, model: str,
+                            args: argparse.Namespace) -> dict[str, float]:
+    """The closed-loop rows (module docstring) against ``base``."""
+    from loadtest.burst import chat_body, closed_loop, short_prompts
+
+    bodies = [chat_body(model, p, 32) for p in short_prompts()]
+    out: dict[str, float] = {}
+    for c in args.closed_loop:
+        tally = (await closed_loop(session, base + "/v1/chat/completions", bodies, c,
+                                   args.closed_loop_s, seed=args.seed + c)).summary()
+        out[f"closed_loop_answered_per_s@clients={c}"] = tally["answered_per_s"]
+        for stat in ("mean", "p50"):
+            v = tally[f"latency_s_{stat}"]
+            out[f"closed_loop_latency_ms_{stat}@clients={c}"] = 1000 * v if v else 0.0
     return out
 
 
 def _unit(metric: str) -> str:
-    return ("ms" if "_ms" in metric else "tok/s" if "tok_s" in metric else "tokens")
+    return ("ms" if "_ms" in metric else "tok/s" if "tok_s" in metric
+            else "req/s" if "per_s" in metric else "tokens")
+
+
+def closed_loop_within(rows: list[Row], tolerance: float = 0.2) -> bool | None:
+    """Whether every closed-loop row's simulated value is within ``tolerance`` of the
+    real one (None when there is none)."""
+    errs = [r.rel_err for r in rows if r.metric.startswith("closed_loop_")
+            and "_p50@" not in r.metric]
+    if not errs or any(e is None for e in errs):
+        return None
+    return all(abs(e) <= tolerance for e in errs)
 
 
 async def _run(args: argparse.Namespace) -> list[Row]:
+    if args.real is None:  # the engine the shipped configuration launches
+        from loadtest.launch import gateway
+
+        with gateway() as gw:
+            (args.real,) = gw.engine_urls()
+            return await _run(args)
     proc = None
     sim_url = args.sim
     if sim_url is None:
@@ -143,7 +191,8 @@ async def _run(args: argparse.Namespace) -> list[Row]:
             proc.terminate()
             proc.wait(10)
     # Simulated latencies at --speed s run s times faster than the device they model.
-    scale = {k: (v * args.speed if "_ms" in k else v / args.speed if "tok_s" in k else v)
+    scale = {k: (v * args.speed if "_ms" in k
+                 else v / args.speed if "tok_s" in k or "per_s" in k else v)
              for k, v in sim.items()}
     return [Row(k, _unit(k), real.get(k), scale.get(k)) for k in real]
 
@@ -160,19 +209,26 @@ def format_table(rows: list[Row]) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest validate-sim",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--real", required=True, help="base URL of the real engine")
+    p.add_argument("--real", help="base URL of the real engine (default: launch the "
+                   "shipped configuration's engine)")
     p.add_argument("--sim", help="base URL of a running simulated engine")
     p.add_argument("--sim-profile", default="cpu-gemma3-270m",
                    help="profile of the simulated engine to start when --sim is absent")
     p.add_argument("--speed", type=float, default=1.0, help="speed of the started sim")
     p.add_argument("--model", help="model name (default: the real engine's first)")
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p.add_argument("--prompt-lens", type=ints, default=[16, 128, 372, 1024])
     p.add_argument("--concurrency", type=ints, default=[1, 4, 8, 16])
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--prefix-len", type=int, default=372)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--closed-loop", type=ints, default=[1, 8, 32, 128],
+                   help="closed-loop client counts (empty: none)")
+    p.add_argument("--closed-loop-s", type=float, default=30.0,
+                   help="window of each closed-loop run, s")
+    p.add_argument("--skip-probes", action="store_true",
+                   help="only the closed-loop rows")
     p.add_argument("--json", help="write the rows here as JSON")
     return p.parse_args(argv)
 
@@ -181,10 +237,13 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     rows = asyncio.run(_run(args))
     print(format_table(rows))
+    within = closed_loop_within(rows)
+    if within is not None:
+        print(f"closed loop within 20 %: {'yes' if within else 'no'}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"real": args.real, "sim": args.sim or args.sim_profile,
-                       "speed": args.speed,
+                       "speed": args.speed, "closed_loop_within_20pct": within,
                        "rows": [{**asdict(r), "rel_err": r.rel_err} for r in rows]},
                       f, indent=2)
     return 0

@@ -51,6 +51,8 @@ class EngineKind:
             once (a fixed slot count, as llama.cpp's ``--parallel``); None when the
             engine has none.
         parse_slots: that endpoint's decoded JSON → the slot count (None when absent).
+        parse_slot_tokens: the same JSON → the context of one slot, tokens (the most KV
+            one request may fill: ``Engine.slot_tokens``); None when absent.
         signals: the signals this dialect reports when its endpoint is healthy.
         health_path: liveness/readiness path answering 200 once the model is loaded.
         probe_endpoint: ``completions`` or ``chat``: the endpoint of the 1-token
@@ -75,6 +77,7 @@ class EngineKind:
     quirks: str = ""
     slots_path: str | None = None
     parse_slots: Callable[[Any], int | None] | None = None
+    parse_slot_tokens: Callable[[Any], int | None] | None = None
 
 
 def accepts_cache_salt(spec: EngineSpec) -> bool:

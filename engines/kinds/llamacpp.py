@@ -18,7 +18,10 @@ server (``tests/fixtures/llamacpp_0.3.36_metrics_busy.txt``, ``tests/e2e``):
   learned concurrency limit), capped at its slots.
 * ``GET /props`` (always served, without the task queue; ``get_res_props`` in
   ``server-context.cpp``): ``total_slots`` = ``--parallel`` → ``Engine.slots``, the most
-  requests it runs at once (more wait inside it, ``requests_deferred``).
+  requests it runs at once (more wait inside it, ``requests_deferred``);
+  ``default_generation_settings.n_ctx`` = ``meta.slot_n_ctx``, one slot's context
+  (``--ctx-size / --parallel``) → ``Engine.slot_tokens``, the KV capacity one request
+  has there.
 * ``GET /health``: 503 ``{"error": {"message": "Loading model"…}}`` while loading, 200
   ``{"status": "ok"}`` after (``server-http.cpp`` middleware); ``GET /v1/models`` lists
   the ``--alias``; ``GET /slots`` (with ``--slots``) per-slot ``n_ctx``,
@@ -142,11 +145,19 @@ def parse_slots(props: Any) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
+def parse_slot_tokens(props: Any) -> int | None:
+    """``GET /props`` (decoded JSON) → ``default_generation_settings.n_ctx`` (one slot's
+    context, tokens), or None when absent or not a positive integer."""
+    settings = props.get("default_generation_settings") if isinstance(props, dict) else None
+    n = settings.get("n_ctx") if isinstance(settings, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 KIND = EngineKind(
     name="llamacpp", metrics_path="/metrics", parse=parse,
     signals=frozenset({"running", "waiting", "prefix_hits"}),
     close_after_stream=True,
     quirks="no KV usage/blocks: admitted by the learned limit, capped at its slots; "
            "full queue defers, never 429",
-    slots_path="/props", parse_slots=parse_slots,
+    slots_path="/props", parse_slots=parse_slots, parse_slot_tokens=parse_slot_tokens,
 )

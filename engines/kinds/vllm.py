@@ -99,7 +99,18 @@ def parse_metrics(text: str, at: float) -> MetricsSnapshot:
     Several label sets of one metric (vLLM labels each data-parallel rank with
     ``engine="N"``) are combined: request counts, prefix-cache counters and
     ``num_gpu_blocks`` are summed; KV usage, a fraction, is their mean; ``block_size``
-    comes from the first label set. ``vllm:kv_cache_usage_perc`` wins over the older
+    comes from the first label set. The KV capacity is the engine's own figure where
+    it exports one, ``kv_cache_size_tokens`` (summed; vLLM 0.32
+    ``vllm/v1/core/kv_cache_utils.py`` ``update_kv_cache_capacity``, the figure of
+    its ``"KV cache size: N tokens"`` log line: ``get_max_concurrency_for_kv_cache_config``
+    × ``max_model_len``, the pool's blocks divided among the model's KV-cache
+    groups, so a hybrid model
+    whose sliding-window and full-attention layers share one pool, as Gemma 3's six
+    groups do, holds ``num_gpu_blocks × block_size / groups`` tokens, 55,356 and not
+    349,440 for the packaged engine); ``num_blocks`` is then that capacity in blocks,
+    ``kv_cache_size_tokens // block_size`` (what one sequence's blocks are counted
+    against: the KV budget, the prefix index, the capacity report). Without the
+    label, ``num_gpu_blocks`` as exported. ``vllm:kv_cache_usage_perc`` wins over the older
     ``vllm:gpu_cache_usage_perc`` when both appear; counters are accepted with or
     without the ``_total`` suffix. Absent metrics keep the snapshot's defaults.
     ``counters`` holds the sums and counts of the inter-token latency, prefill time
@@ -135,15 +146,20 @@ def parse_metrics(text: str, at: float) -> MetricsSnapshot:
             prompt_tokens=maybe(PROMPT_TOKENS), cached_tokens=total(PREFIX_HITS),
             external_tokens=total(EXTERNAL_HITS), queried_tokens=maybe(PREFIX_QUERIES),
             generated_tokens=maybe(GENERATION))
-    block_size = num_blocks = None
+    block_size = num_blocks = kv_tokens = None
     info = series.get(CACHE_CONFIG)
     if info:
         block_size = _int_label(info.labels[0], "block_size")
-        known = [
-            b for b in (_int_label(labels, "num_gpu_blocks") for labels in info.labels)
-            if b is not None
-        ]
-        num_blocks = sum(known) if known else None
+
+        def summed(key: str) -> int | None:
+            known = [v for v in (_int_label(labels, key) for labels in info.labels)
+                     if v is not None]
+            return sum(known) if known else None
+
+        num_blocks = summed("num_gpu_blocks")
+        kv_tokens = summed("kv_cache_size_tokens")
+        if kv_tokens is not None and block_size:
+            num_blocks = kv_tokens // block_size
     return MetricsSnapshot(
         at=at,
         kv_cache_usage=sum(usage.values) / len(usage.values) if usage else None,
@@ -154,6 +170,7 @@ def parse_metrics(text: str, at: float) -> MetricsSnapshot:
         generation_tokens=total(GENERATION),
         block_size=block_size,
         num_blocks=num_blocks,
+        kv_tokens=kv_tokens,
         signals=present(kv_usage=usage is not None, running=RUNNING in series,
                         waiting=WAITING in series,
                         prefix_hits=PREFIX_HITS in series and PREFIX_QUERIES in series,

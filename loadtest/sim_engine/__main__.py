@@ -29,7 +29,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dialect", default="vllm", choices=sorted(DIALECTS),
                    help="which engine's paths, metric names and quirks to speak "
                    "(loadtest/sim_engine/dialects.py; default vllm)")
-    p.add_argument("--profile", default="cpu-gemma3-270m", choices=sorted(PROFILES))
+    p.add_argument("--profile", default="cpu-gemma3-270m-quiet", choices=sorted(PROFILES))
     p.add_argument("--speed", type=float, default=1.0,
                    help="simulated seconds per wall second (default 1)")
     p.add_argument("--num-blocks", type=int, help="override the profile's KV blocks")

@@ -8,6 +8,7 @@ with ``speed`` factors fit on a couple of cores.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from prometheus_client import Counter
 
@@ -18,6 +19,48 @@ from loadtest.sim_engine.kv_events import SimEventPublisher
 from loadtest.sim_engine.metrics import sim_metrics
 from loadtest.sim_engine.profiles import Profile
 from loadtest.sim_engine.scheduler import Scheduler, SimRequest
+
+
+class FrontEnd:
+    """The engine's API server as one FIFO server (``profiles``, "Front end"): a job
+    of ``cost`` simulated seconds starts when the jobs before it are done and takes
+    ``cost / speed`` of wall time. Jobs are reserved in arrival order
+    (``busy_until``), so no task runs the queue.
+
+    Args:
+        request_s: time per request taken in (``Profile.frontend_request_s``), s.
+        token_s: time per streamed output token (``Profile.frontend_token_s``), s.
+        clock: monotonic wall clock, s.
+        speed: returns the engine's speed factor now.
+    """
+
+    def __init__(self, request_s: float, token_s: float, clock: Clock,
+                 speed: Callable[[], float]) -> None:
+        self.request_s, self.token_s = request_s, token_s
+        self.clock, self.speed = clock, speed
+        self.busy_until = 0.0
+        #: requests taken in but not yet handed to the scheduler (counted in no
+        #: metric, as in the real engine)
+        self.intake_queue = 0
+
+    async def _serve(self, cost_s: float) -> None:
+        if cost_s <= 0:
+            return
+        now = self.clock.now()
+        self.busy_until = max(now, self.busy_until) + cost_s / self.speed()
+        await asyncio.sleep(self.busy_until - now)
+
+    async def intake(self) -> None:
+        """Wait for one request's turn through the front end (cancellable)."""
+        self.intake_queue += 1
+        try:
+            await self._serve(self.request_s)
+        finally:
+            self.intake_queue -= 1
+
+    async def output(self, tokens: int) -> None:
+        """Wait for ``tokens`` output tokens' turn through the front end."""
+        await self._serve(self.token_s * tokens)
 
 
 class SimEngine:
@@ -62,6 +105,8 @@ class SimEngine:
         self.kv = KVCache(profile.num_blocks, profile.block_size, events=publisher is not None)
         self.scheduler = Scheduler(profile, self.kv, scheduling_policy)
         self.prompt_tokens_details = prompt_tokens_details
+        self.frontend = FrontEnd(profile.frontend_request_s, profile.frontend_token_s,
+                                 clock, lambda: self.speed)
         self.metrics = sim_metrics(self.scheduler, model_name)
         self.priorities = Counter("sim:requests_by_priority", "Requests received by priority.",
                                   ["priority"], registry=self.metrics.registry)

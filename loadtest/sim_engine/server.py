@@ -198,6 +198,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                        cache_salt=parsed.cache_salt)
             for i in range(parsed.n)]
     engine.priorities.labels(str(priority)).inc()
+    # the API server's turn (cancelled on disconnect); vLLM stamps a request's arrival
+    # when its processor has taken it in (vllm/v1/engine/processor.py), so the time
+    # queued before counts in no histogram either
+    await engine.frontend.intake()
     arrival = engine.clock.now()
     # the connector's legs are single-sequence requests (vLLM's proxy sends n = 1)
     legs = connector if connector is not None and parsed.n == 1 else None
@@ -219,6 +223,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         while not all(req.done for req in reqs):
             await wake.wait()
             wake.clear()
+        await engine.frontend.output(sum(r.num_output_tokens for r in reqs))
         extra = None if connector is None else {
             "kv_transfer_params": None if legs is None else legs.hold(reqs[0])}
         return web.Response(body=shape.full([r.num_output_tokens for r in reqs],
@@ -241,7 +246,9 @@ def _cached(engine: SimEngine, req: SimRequest) -> int | None:
 async def _stream(request: web.Request, reqs: list[SimRequest], wake: asyncio.Event,
                   shape: ResponseShape, include_usage: bool,
                   details: bool) -> web.StreamResponse:
-    """Stream the ``n`` sequences of one request, each as choice ``index`` i."""
+    """Stream the ``n`` sequences of one request, each as choice ``index`` i; each
+    batch of new tokens waits its turn through the engine's front end first."""
+    frontend = request.app[ENGINE].frontend
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache"})
     if request.app[COMPRESS]:
@@ -252,9 +259,11 @@ async def _stream(request: web.Request, reqs: list[SimRequest], wake: asyncio.Ev
         await wake.wait()
         wake.clear()
         parts: list[bytes] = []
+        produced_now: list[int] = []
         for index, req in enumerate(reqs):
             produced = req.num_output_tokens
             if produced > sent[index]:
+                produced_now.append(produced - sent[index])
                 # vLLM sends the chat role chunk with the first engine output.
                 if shape.chat and sent[index] == 0:
                     parts.append(shape.role_chunk(index))
@@ -263,6 +272,7 @@ async def _stream(request: web.Request, reqs: list[SimRequest], wake: asyncio.Ev
                           for i in range(sent[index], produced)]
                 sent[index] = produced
         if parts:
+            await frontend.output(sum(produced_now))
             await resp.write(b"".join(parts))
         if all(req.done for req in reqs):
             break

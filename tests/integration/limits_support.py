@@ -42,7 +42,7 @@ def sim_engine(name: str = "sim", *, model: str = MODEL, speed: float = 20.0,
                replicas: int = 1, args: list[str] | None = None) -> dict[str, Any]:
     """An engines.yaml entry for the simulated engine (``kind: sim``)."""
     return {"name": name, "model": model, "kind": "sim", "replicas": replicas,
-            "args": ["--profile", "cpu-gemma3-270m", "--speed", str(speed),
+            "args": ["--profile", "cpu-gemma3-270m-quiet", "--speed", str(speed),
                      "--max-model-len", "4096", *(args or [])]}
 
 

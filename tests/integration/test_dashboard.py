@@ -185,7 +185,7 @@ def text_matches(path: list[Any], value: Any, text: str) -> bool:
     """The shown text is the value in the page's format (ms: 1 decimal below 10,
     else whole; ratios: percent with 1 decimal; req/s: 1 decimal below 10)."""
     if value is None:
-        return text == "—"
+        return text == ("none" if "limit" in path else "—")
     if isinstance(value, str):
         return text == value
     if path[0] == "reloads":  # "at" is shown as a clock time

@@ -31,7 +31,7 @@ async def sim_at():
 
     async def start(dialect: str) -> str:
         port = free_port()
-        engine = SimEngine(get_profile("cpu-gemma3-270m"), MODEL, speed=20.0)
+        engine = SimEngine(get_profile("cpu-gemma3-270m-quiet"), MODEL, speed=20.0)
         runners.append(await serve(engine, "127.0.0.1", port, dialect=dialect))
         return f"http://127.0.0.1:{port}"
 
@@ -78,17 +78,17 @@ async def test_llamacpp_slots_read_once_per_generation(sim_at) -> None:
     becomes ``Engine.slots``, read again after a restart (a new generation); other
     dialects have no slot count."""
     engine, _ = await _poll_once(await sim_at("llamacpp"), "llamacpp")
-    assert engine.slots == get_profile("cpu-gemma3-270m").max_num_seqs
+    assert engine.slots == get_profile("cpu-gemma3-270m-quiet").max_num_seqs
     async with aiohttp.ClientSession() as session:
         poller = MetricsPoller(EnginePool([engine]), engine, session, interval_s=1,
                                timeout_s=2, kind=KINDS["llamacpp"])
         engine.slots = None
         assert await poller.read_slots() == engine.slots == \
-            get_profile("cpu-gemma3-270m").max_num_seqs
+            get_profile("cpu-gemma3-270m-quiet").max_num_seqs
         engine.slots = 1  # not read again within one generation
         assert await poller.read_slots() == 1
         engine.generation += 1
-        assert await poller.read_slots() == get_profile("cpu-gemma3-270m").max_num_seqs
+        assert await poller.read_slots() == get_profile("cpu-gemma3-270m-quiet").max_num_seqs
     tgi, _ = await _poll_once(await sim_at("tgi"), "tgi")
     assert tgi.slots is None
 

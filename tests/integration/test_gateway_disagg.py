@@ -29,7 +29,7 @@ from tests.integration.fake_engine import FakeEngine
 from tests.support import wait_for
 
 MODEL = "sim-pd"
-PROFILE = get_profile("cpu-gemma3-270m")
+PROFILE = get_profile("cpu-gemma3-270m-quiet")
 LONG = " ".join(f"word{i} of a long prompt" for i in range(300))  # ~1,500 tokens
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 4,
         "stream": True}

@@ -23,7 +23,7 @@ from tests.conftest import free_port
 from tests.support import wait_for
 
 MODEL = "sim-pd"
-PROFILE = get_profile("cpu-gemma3-270m")  # 128-token blocks, 18 KiB per token
+PROFILE = get_profile("cpu-gemma3-270m-quiet")  # 128-token blocks, 18 KiB per token
 MESSAGES = [{"role": "user", "content": " ".join(f"token{i}" for i in range(700))}]
 N_PROMPT = len(fallback_tokenize(render_chat(MESSAGES)))
 N_BLOCKS = -(-N_PROMPT // PROFILE.block_size)

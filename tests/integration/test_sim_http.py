@@ -20,7 +20,7 @@ LONG = " ".join(f"word{i % 50} of the shared context" for i in range(120))
 
 @pytest.fixture
 async def sim():
-    engine = SimEngine(get_profile("cpu-gemma3-270m"), MODEL, speed=20.0)
+    engine = SimEngine(get_profile("cpu-gemma3-270m-quiet"), MODEL, speed=20.0)
     runner = await serve(engine, "127.0.0.1", 0)
     port = runner.addresses[0][1]
     async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:

@@ -9,7 +9,7 @@ from loadtest.workloads import WorkloadOptions, build_workload
 
 
 async def test_replay_mixed_tenants_smoke(tmp_path):
-    engine = SimEngine(get_profile("cpu-gemma3-270m").with_overrides(max_model_len=4096,
+    engine = SimEngine(get_profile("cpu-gemma3-270m-quiet").with_overrides(max_model_len=4096,
                                                                      num_blocks=200),
                        "sim-model", speed=20.0)
     runner = await serve(engine, "127.0.0.1", 0)

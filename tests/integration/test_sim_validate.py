@@ -29,7 +29,9 @@ def test_validate_sim_against_a_sim(tmp_path, capsys):
         out = tmp_path / "v.json"
         rc = validate_sim.main(["--real", f"http://127.0.0.1:{port}", "--speed", "10",
                                 "--prompt-lens", "16,372", "--concurrency", "1,4",
-                                "--output-tokens", "16", "--reps", "1", "--json", str(out)])
+                                "--output-tokens", "16", "--reps", "1", "--json", str(out),
+                                "--closed-loop", "4", "--closed-loop-s", "2",
+                                "--sim-profile", "cpu-gemma3-270m-quiet"])
     finally:
         proc.terminate()
         proc.wait(10)
@@ -43,3 +45,6 @@ def test_validate_sim_against_a_sim(tmp_path, capsys):
     assert rows["prefix_cache_queries_delta"]["sim"] == 744
     # Sim TTFT at 372 tokens ≈ 44 + 1.19 × 372 ms of device time (+ HTTP, × speed).
     assert 450 < rows["ttft_ms@prompt=372"]["sim"] < 800
+    # the closed-loop rows: the same engine on both sides answers
+    assert rows["closed_loop_answered_per_s@clients=4"]["real"] > 0
+    assert rows["closed_loop_latency_ms_p50@clients=4"]["sim"] > 0

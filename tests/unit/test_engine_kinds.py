@@ -20,7 +20,7 @@ from engines.blocks import chain_block_hashes
 from engines.kinds import KINDS, SIGNALS
 from loadtest.sim_engine.dialects import DIALECTS
 from loadtest.sim_engine.engine import SimEngine
-from loadtest.sim_engine.profiles import CPU_GEMMA3_270M
+from loadtest.sim_engine.profiles import CPU_GEMMA3_270M_QUIET
 from loadtest.sim_engine.scheduler import SimRequest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -30,7 +30,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "config"
 def busy_engine() -> SimEngine:
     """A simulated engine mid-work: 3 running (``max_num_seqs``), 2 waiting, 12 of 64
     usable 16-token blocks in use, 128 of 282 prompt tokens from the prefix cache."""
-    p = CPU_GEMMA3_270M.with_overrides(num_blocks=65, block_size=16, max_num_seqs=3,
+    p = CPU_GEMMA3_270M_QUIET.with_overrides(num_blocks=65, block_size=16, max_num_seqs=3,
                                        max_model_len=512, max_num_batched_tokens=4096)
     engine = SimEngine(p, "gemma3-270m")
     shared = list(range(64))

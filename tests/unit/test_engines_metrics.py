@@ -22,7 +22,8 @@ def test_real_vllm_cpu_idle_text() -> None:
     assert (snap.num_running, snap.num_waiting) == (0, 0)
     assert snap.prefix_cache_queries == 812.0
     assert snap.prefix_cache_hits == 384.0
-    assert (snap.block_size, snap.num_blocks) == (128, 2730)
+    # the engine's own figure (Gemma 3: six KV-cache groups share 2,730 blocks)
+    assert (snap.block_size, snap.num_blocks, snap.kv_tokens) == (128, 432, 55_356)
 
 
 def test_real_vllm_cpu_busy_text() -> None:
@@ -111,7 +112,8 @@ def test_shared_vllm_writer_round_trips_through_parse_metrics() -> None:
                               queried_tokens=1213, generated_tokens=37)
     assert snap == MetricsSnapshot(at=5.0, kv_cache_usage=0.25, num_running=3, num_waiting=2,
                                    prefix_cache_queries=1213, prefix_cache_hits=768,
-                                   generation_tokens=37, block_size=128, num_blocks=2730,
+                                   generation_tokens=37, block_size=128, num_blocks=2729,
+                                   kv_tokens=2729 * 128,
                                    signals=frozenset(SIGNALS), counters=counters)
     stats.running = 0  # read at every render
     assert parse_metrics(writer.render().decode(), at=6.0).num_running == 0

@@ -246,9 +246,11 @@ def test_an_engine_too_slow_for_the_target_even_alone_serves_at_best_effort() ->
     v = eng.decide(100, ttft_budget_s=1.0, tpot_target_s=0.1)
     assert not v.admit and v.reason == "tpot" and not v.best_effort
     slowed(eng.model, 2.5)
-    assert eng.mode(0.1) == "best_effort" and eng.limit(0.1) is None
-    # no TPOT rule: admitted past any knee, and with its TTFT budget already spent
-    # when no prefill is queued ahead of it
+    # no TPOT knee at best effort: the throughput knee is the limit (99 here)
+    assert eng.mode(0.1) == "best_effort" and eng.limit(0.1) == eng.model.throughput_knee()
+    assert eng.limit(0.1) > 15
+    # no TPOT rule: admitted past the TPOT knee, and with its TTFT budget already
+    # spent when no prefill is queued ahead of it
     v = eng.decide(100, ttft_budget_s=0.0, tpot_target_s=0.1)
     assert v.admit and v.best_effort and v.reason is None
     # the TTFT rule holds: behind 100,000 queued prefill tokens (TTFT̂ ~119 s) it waits
@@ -278,7 +280,7 @@ def test_an_engine_whose_mean_meets_the_target_alone_but_not_its_bound_is_best_e
     one = eng.model.predict_tpot(1)
     assert one.mean < 0.1 < one.upper(1.0)
     assert eng.model.tpot_alone_s(1.0) == one.upper(1.0)
-    assert eng.best_effort(0.1) and eng.limit(0.1) is None
+    assert eng.best_effort(0.1) and eng.limit(0.1) == eng.model.throughput_knee()
     # at z = 0 the mean rules: a knee of 1 (the request alone meets the target)
     eng0 = EngineLatency(eng.model, FakeClock(), z=0.0)
     assert not eng0.best_effort(0.1) and eng0.limit(0.1) == 1

@@ -19,6 +19,7 @@ class Load:
     metrics_at: float | None = 100.0
     metered: bool = True
     slots: int | None = None
+    unreported: int = 0
 
 
 NOW = 101.0

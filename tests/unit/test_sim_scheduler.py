@@ -9,7 +9,7 @@ import pytest
 
 from engines.blocks import chain_block_hashes
 from loadtest.sim_engine.kv_cache import KVCache
-from loadtest.sim_engine.profiles import CPU_GEMMA3_270M, H200_LLAMA31_8B, Profile
+from loadtest.sim_engine.profiles import CPU_GEMMA3_270M_QUIET, H200_LLAMA31_8B, Profile
 from loadtest.sim_engine.scheduler import Scheduler, SimRequest, Status
 
 BS = 4
@@ -206,10 +206,10 @@ def test_salt_isolation():
 
 
 def test_profiles_are_sane():
-    for p in (CPU_GEMMA3_270M, H200_LLAMA31_8B):
+    for p in (CPU_GEMMA3_270M_QUIET, H200_LLAMA31_8B):
         assert (p.num_blocks - 1) * p.block_size >= p.max_model_len
     # CPU fit reproduces docs/engines.md: ~20 tok/s single stream, ~110 at 8, ~145 at 16.
-    cpu = CPU_GEMMA3_270M
+    cpu = CPU_GEMMA3_270M_QUIET
     for b, tok_s in ((1, 20), (8, 110), (16, 145)):
         assert b / cpu.step_seconds(0, b, 0) == pytest.approx(tok_s, rel=0.07)
     assert cpu.step_seconds(372, 0, 0) == pytest.approx(0.5, rel=0.05)
