@@ -2,8 +2,9 @@
 own) and PostgreSQL (``asyncpg``), so :class:`batch.store.JobStore` holds one copy of
 its SQL. Statements are written with ``?`` placeholders; the PostgreSQL adapter
 numbers them (``$1``, ``$2``…). ``{skip_locked}`` in a statement becomes ``FOR UPDATE
-OF i SKIP LOCKED`` on PostgreSQL (``i``: the claimed table's alias; (rows another replica is claiming are passed over) and
-nothing on SQLite (one writer at a time: the whole statement is atomic).
+OF i SKIP LOCKED`` on PostgreSQL (``i``: the claimed table's alias; rows another
+replica is claiming are passed over) and nothing on SQLite (one writer at a time: the
+whole statement is atomic).
 
 Uploaded file bodies: under a folder with SQLite (one file per id), in a table with
 PostgreSQL (so replicas on other hosts read them).

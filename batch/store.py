@@ -372,10 +372,20 @@ class JobStore:
         return sorted((Claimed(b, i, c, u, json.loads(body), a) for b, i, c, u, body, a in rows),
                       key=lambda c: (c.batch_id, c.idx))
 
-    async def renew(self, owner: str, lease_s: float) -> int:
-        """Extend every lease ``owner`` holds to now + ``lease_s``; how many."""
-        return await self.db.execute("UPDATE items SET lease_until = ? WHERE owner = ? "
-                                     "AND state = ?", self.now() + lease_s, owner, RUNNING)
+    async def renew(self, owner: str, lease_s: float,
+                    lines: list[tuple[str, int]]) -> int:
+        """Extend the leases ``owner`` holds on ``lines`` (``(batch_id, idx)``) to now
+        + ``lease_s``; how many it still held."""
+        by_batch: dict[str, list[int]] = {}
+        for batch_id, idx in lines:
+            by_batch.setdefault(batch_id, []).append(idx)
+        until, n = self.now() + lease_s, 0
+        for batch_id, idxs in by_batch.items():
+            marks = ", ".join("?" * len(idxs))
+            n += await self.db.execute(
+                f"UPDATE items SET lease_until = ? WHERE owner = ? AND state = ? "
+                f"AND batch_id = ? AND idx IN ({marks})", until, owner, RUNNING, batch_id, *idxs)
+        return n
 
     async def finish(self, owner: str, line: Claimed, status_code: int,
                      response: dict[str, Any], request_id: str,

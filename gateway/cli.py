@@ -53,7 +53,7 @@ Stop with Ctrl-C (drains requests and stops the engines).
 async def _serve(cfg: Config, host: str, port: int, worker: WorkerRole | None) -> None:
     from gateway.app import create_app
     from gateway.errors import GatewayRunner
-    from gateway.keys import SUPERVISOR
+    from gateway.keys import RUNNER, SUPERVISOR
 
     app = create_app(cfg, worker=worker)
     runner = GatewayRunner(app, handler_cancellation=True, access_log=None,
@@ -71,6 +71,9 @@ async def _serve(cfg: Config, host: str, port: int, worker: WorkerRole | None) -
     try:
         site = web.TCPSite(runner, host, port, reuse_port=worker is not None)
         await site.start()
+        if RUNNER in app:  # batch lines go through this process's own address
+            local = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+            app[RUNNER].serve_at(f"http://{local}:{runner.addresses[0][1]}")
         who = f"worker {worker.index} (pid {os.getpid()})" if worker else "Sluice"
         print(f"{who} listening on http://{host}:{port}; starting engines…", flush=True)
         ready = asyncio.create_task(app[SUPERVISOR].wait_ready(cfg.engines.supervisor.startup_grace_s))

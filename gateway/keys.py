@@ -11,11 +11,13 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
+from batch.store import JobStore
 from config.schema import Config, TenantQuota
 from engines.pool import EnginePool
 from engines.scheduler import Scheduler
 from engines.supervisor import Supervisor
 from gateway.auth import TenantDirectory
+from gateway.batch_runner import BatchRunner
 from gateway.metrics import GatewayMetrics
 from gateway.record import Observer, RequestRecord
 from gateway.reload import ConfigReloader
@@ -56,6 +58,9 @@ RELOADER = web.AppKey("reloader", ConfigReloader | None)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 DIRECTOR: web.AppKey[Director] = web.AppKey("director")
+#: the Batch API's job store and this process's runner (with ``batch.enabled``)
+JOBS = web.AppKey("jobs", JobStore)
+RUNNER = web.AppKey("batch_runner", BatchRunner)
 
 # per-request keys
 REQUEST_ID = web.RequestKey("request_id", str)

@@ -1,0 +1,356 @@
+"""Runs the lines of batches (docs/architecture.md, "Batches"): claims them from the
+job store with expiring leases and sends each through this gateway's own request
+pipeline, over loopback HTTP, as its tenant in the ``batch`` priority band — the same
+authentication, quotas, cache, admission queue and placement as any online request.
+The batch band is the least urgent: the admission queue places it only after every
+waiting online ticket, sheds it first when full, and the placement keeps room for
+the urgent bands (``BandDemand.urgent_free``), so lines run on the capacity online
+traffic leaves free and stop being admitted the moment it needs that capacity.
+
+Feeding: a line is sent only while its model's queue holds fewer than
+``BatchConfig.queued_lines`` batch-band tickets (at most ``max_in_flight`` lines per
+process): a few lines always wait for capacity to free, and no more pile up in front
+of the online traffic. A line answered 429 or 503 (shed, queue timeout, quota, no
+engine) is handed back and retried after its ``Retry-After`` without counting as an
+attempt; a 5xx or a failed connection counts, and after ``max_attempts`` the last
+answer is its result; any other answer is its result at once.
+
+Leases: renewed every ``lease_ttl_s / 3`` s while the process runs; released at a
+clean shutdown (lines due again at once); a killed process's lines are claimed again
+once its leases expire. Every second the runner also finalises due batches and
+reads their progress (``/metrics``, the dashboard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from batch.store import Claimed, JobStore, Progress
+from config.schema import BatchConfig, TenantQuota
+from limits.admission import AdmissionQueue
+
+log = logging.getLogger("sluice.batch")
+
+#: Headers of a line sent to this gateway: the shared secret and the tenant's name.
+INTERNAL_HEADER = "x-sluice-internal"
+TENANT_HEADER = "x-sluice-batch-tenant"
+#: The secret shared by this host's gateway processes (``--workers N`` sets it in
+#: the parent; a lone process draws its own).
+SECRET_ENV = "SLUICE_INTERNAL_SECRET"
+#: Time constant of a batch's lines/s estimate, s.
+RATE_TAU_S = 10.0
+#: Active batches exported per series on ``/metrics`` (the oldest first): a bound on
+#: the label values however many batches tenants create.
+MAX_EXPORTED = 50
+#: Retry-After assumed when a 429/503 carries none, s.
+DEFAULT_RETRY_S = 1.0
+#: Lines claimed per store round trip.
+CLAIM_CHUNK = 16
+
+
+def internal_secret() -> str:
+    """This host's secret for lines sent to the gateway itself (``SECRET_ENV``, set
+    once per process when absent)."""
+    return os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))
+
+
+def is_internal(presented: str | None) -> bool:
+    """Whether ``presented`` is this host's internal secret (constant time)."""
+    return presented is not None and hmac.compare_digest(
+        presented.encode(), internal_secret().encode())
+
+
+def batch_tenant(tenant: TenantQuota, cfg: BatchConfig) -> TenantQuota:
+    """``tenant`` as its batch lines run: the ``batch`` band, ``max_queue_wait_s``
+    from ``cfg``; with ``batch_tokens_per_min``, that budget under its own name
+    (``NAME:batch``, its own buckets) and no requests/min limit, the cache namespace
+    unchanged."""
+    update: dict[str, object] = {"priority": "batch", "max_queue_wait_s": cfg.max_queue_wait_s}
+    if tenant.batch_tokens_per_min is not None:
+        update |= {"name": f"{tenant.name}:batch", "tokens_per_min": tenant.batch_tokens_per_min,
+                   "requests_per_min": None, "cache_namespace": tenant.namespace}
+    return tenant.model_copy(update=update)
+
+
+@dataclass
+class _Rate:
+    """A batch's finished lines per second: an EWMA over progress readings."""
+
+    done: int
+    at: float
+    per_s: float = 0.0
+
+    def update(self, done: int, at: float) -> None:
+        dt = at - self.at
+        if dt <= 0:
+            return
+        inst = max(0, done - self.done) / dt
+        alpha = 1 - pow(2.718281828, -dt / RATE_TAU_S)
+        self.per_s += alpha * (inst - self.per_s)
+        self.done, self.at = done, at
+
+
+class BatchRunner:
+    """Claims and runs batch lines in one gateway process.
+
+    Args:
+        store: the job store.
+        cfg: ``gateway.batch``.
+        session: the app's client session (loopback requests).
+        queues: the admission queues, ``{model: AdmissionQueue}`` (read for the
+            batch band's depth).
+    """
+
+    def __init__(self, store: JobStore, cfg: BatchConfig, session: aiohttp.ClientSession,
+                 queues: dict[str, AdmissionQueue]) -> None:
+        self.store, self.cfg, self.session, self.queues = store, cfg, session, queues
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.base_url: str | None = None
+        self._buffer: deque[Claimed] = deque()
+        self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._tenants: dict[str, str] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.progress: list[Progress] = []
+        self.rates: dict[str, _Rate] = {}
+        #: lines ended by this process, per result (``ok``, ``failed``, ``retried``,
+        #: ``dropped``: its lease was gone)
+        self.results: dict[str, int] = {"ok": 0, "failed": 0, "retried": 0, "dropped": 0}
+
+    def serve_at(self, base_url: str) -> None:
+        """Start sending lines to this gateway at ``base_url`` (``http://host:port``,
+        known once its socket is bound)."""
+        self.base_url = base_url.rstrip("/")
+        self._wake.set()
+
+    def start(self) -> None:
+        """Run :meth:`run` in a task of its own."""
+        self._task = asyncio.create_task(self.run())
+
+    async def stop(self) -> None:
+        """Stop :meth:`run` (idempotent): lines in flight are aborted, their leases
+        handed back."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def poke(self) -> None:
+        """Look for work now (a batch was created)."""
+        self._wake.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    # ------------------------------------------------------------------ loops
+
+    async def run(self) -> None:
+        """Run until cancelled; then stop the lines in flight and hand back their
+        leases."""
+        house = asyncio.create_task(self._housekeeping())
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.05 if self._buffer or self._tasks
+                                               else self.cfg.poll_interval_s):
+                        await self._wake.wait()
+                self._wake.clear()
+                if self.base_url is None:
+                    continue
+                try:
+                    await self._fill()
+                except Exception:  # noqa: BLE001 - the store is down: try again later
+                    log.exception("batch runner: claiming lines failed")
+                    await asyncio.sleep(self.cfg.poll_interval_s)
+                self._launch()
+        finally:
+            house.cancel()
+            tasks = list(self._tasks.values())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.store.release(self.owner)
+
+    async def _housekeeping(self) -> None:
+        """Renew leases every ``lease_ttl_s / 3``; finalise due batches and read
+        progress every second."""
+        renewed = time.monotonic()
+        while True:
+            try:
+                if time.monotonic() - renewed >= self.cfg.lease_ttl_s / 3:
+                    held = [*self._tasks, *((c.batch_id, c.idx) for c in self._buffer)]
+                    await self.store.renew(self.owner, self.cfg.lease_ttl_s, held)
+                    renewed = time.monotonic()
+                await self.store.finalize_due()
+                self._observe(await self.store.progress())
+            except Exception:  # noqa: BLE001 - logged; the next round tries again
+                log.exception("batch runner: housekeeping failed")
+            await asyncio.sleep(min(1.0, self.cfg.lease_ttl_s / 3))
+
+    def _observe(self, progress: list[Progress]) -> None:
+        now = time.monotonic()
+        for p in progress:
+            finished = p.done + p.failed
+            rate = self.rates.get(p.batch_id)
+            if rate is None:
+                self.rates[p.batch_id] = _Rate(finished, now)
+            else:
+                rate.update(finished, now)
+        active = {p.batch_id for p in progress}
+        for bid in [b for b in self.rates if b not in active]:
+            del self.rates[bid]
+        self.progress = progress
+
+    async def _fill(self) -> None:
+        room = self.cfg.max_in_flight - len(self._tasks) - len(self._buffer)
+        if len(self._buffer) >= CLAIM_CHUNK or room <= 0:
+            return
+        claimed = await self.store.claim(self.owner, min(CLAIM_CHUNK, room), self.cfg.lease_ttl_s)
+        for line in claimed:
+            if line.batch_id not in self._tenants:
+                rec = await self.store.get_batch(None, line.batch_id)
+                self._tenants[line.batch_id] = rec.tenant if rec else ""
+        self._buffer.extend(claimed)
+
+    def _waiting(self, model: object) -> int:
+        queue = self.queues.get(model) if isinstance(model, str) else None
+        return 0 if queue is None else queue.depth()["batch"]
+
+    def _launch(self) -> None:
+        """Send buffered lines while their model's queue has room for batch tickets."""
+        sent: dict[object, int] = {}
+        kept: deque[Claimed] = deque()
+        while self._buffer:
+            line = self._buffer.popleft()
+            model = line.body.get("model")
+            if self._waiting(model) + sent.get(model, 0) >= self.cfg.queued_lines:
+                kept.append(line)
+                continue
+            sent[model] = sent.get(model, 0) + 1
+            key = (line.batch_id, line.idx)
+            task = asyncio.create_task(self._run_line(line))
+            self._tasks[key] = task
+            task.add_done_callback(lambda _t, k=key: self._done(k))
+        self._buffer = kept
+
+    def _done(self, key: tuple[str, int]) -> None:
+        self._tasks.pop(key, None)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ one line
+
+    async def _run_line(self, line: Claimed) -> None:
+        try:
+            await self._send(line)
+        except Exception:  # noqa: BLE001 - its lease lapses and another try claims it
+            log.exception("batch runner: line %s/%d failed", line.batch_id, line.idx)
+
+    async def _send(self, line: Claimed) -> None:
+        request_id = f"batch_req_{line.batch_id.split('_', 1)[-1]}_{line.idx}"
+        headers = {INTERNAL_HEADER: internal_secret(),
+                   TENANT_HEADER: self._tenants.get(line.batch_id, ""),
+                   "x-request-id": request_id}
+        try:
+            async with self.session.post(f"{self.base_url}{line.url}", json=line.body,
+                                         headers=headers) as resp:
+                raw = await resp.read()
+                status, retry_after = resp.status, resp.headers.get("Retry-After")
+        except aiohttp.ClientConnectionError:  # this gateway is stopping: not the line's fault
+            await self.store.retry_later(self.owner, line, DEFAULT_RETRY_S, attempt=False)
+            return
+        except (aiohttp.ClientError, TimeoutError) as e:
+            await self._failed_try(line, 502, {"error": {
+                "message": f"the gateway could not run this request: {e}",
+                "type": "server_error", "code": "upstream_error"}}, request_id)
+            return
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = {"error": {"message": raw.decode(errors="replace")[:500],
+                              "type": "server_error", "code": "upstream_error"}}
+        if status in (429, 503):
+            try:
+                delay = float(retry_after) if retry_after else DEFAULT_RETRY_S
+            except ValueError:
+                delay = DEFAULT_RETRY_S
+            self.results["retried"] += 1
+            await self.store.retry_later(self.owner, line, delay, attempt=False)
+            return
+        if status >= 500:
+            await self._failed_try(line, status, body, request_id)
+            return
+        usage = body.get("usage") if isinstance(body, dict) else None
+        tokens = usage.get("completion_tokens", 0) if isinstance(usage, dict) else 0
+        await self._finish(line, status, body, request_id, tokens or 0)
+
+    async def _failed_try(self, line: Claimed, status: int, body: dict,
+                          request_id: str) -> None:
+        if line.attempts + 1 >= self.cfg.max_attempts:
+            await self._finish(line, status, body, request_id, 0)
+        else:
+            self.results["retried"] += 1
+            await self.store.retry_later(self.owner, line, DEFAULT_RETRY_S, attempt=True)
+
+    async def _finish(self, line: Claimed, status: int, body: dict, request_id: str,
+                      tokens: int) -> None:
+        kept = await self.store.finish(self.owner, line, status, body, request_id, tokens)
+        result = "dropped" if not kept else "ok" if 200 <= status < 300 else "failed"
+        self.results[result] += 1
+
+    # ------------------------------------------------------------------ views
+
+    def panel(self) -> list[dict[str, object]]:
+        """Active batches for the dashboard: id, tenant, status, done/total, failed,
+        running, lines/s."""
+        return [{"id": p.batch_id, "tenant": p.tenant, "status": p.status, "total": p.total,
+                 "done": p.done, "failed": p.failed, "running": p.running,
+                 "lines_per_s": round(self.rates[p.batch_id].per_s, 3)
+                 if p.batch_id in self.rates else 0.0} for p in self.progress]
+
+
+class BatchCollector(Collector):
+    """``/metrics``: per active batch (the :data:`MAX_EXPORTED` oldest),
+    ``sluice_batch_lines{batch,tenant,state}`` (``total``, ``done``, ``failed``,
+    ``running``) and ``sluice_batch_lines_per_second{batch}``; this process's
+    ``sluice_batch_lines_in_flight`` and ``sluice_batch_line_results_total{result}``."""
+
+    def __init__(self, runner: BatchRunner) -> None:
+        self.runner = runner
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        lines = GaugeMetricFamily("sluice_batch_lines", "Lines of an active batch by state",
+                                  labels=["batch", "tenant", "state"])
+        rate = GaugeMetricFamily("sluice_batch_lines_per_second",
+                                 "Lines an active batch finishes per second (EWMA, 10 s)",
+                                 labels=["batch"])
+        for row in self.runner.panel()[:MAX_EXPORTED]:
+            for state in ("total", "done", "failed", "running"):
+                lines.add_metric([str(row["id"]), str(row["tenant"]), state], float(row[state]))
+            rate.add_metric([str(row["id"])], float(row["lines_per_s"]))
+        yield lines
+        yield rate
+        yield GaugeMetricFamily("sluice_batch_lines_in_flight",
+                                "Batch lines this process is running", value=self.runner.in_flight)
+        results = CounterMetricFamily("sluice_batch_line_results",
+                                      "Batch lines this process ended, by result", labels=["result"])
+        for result, n in self.runner.results.items():
+            results.add_metric([result], n)
+        yield results
