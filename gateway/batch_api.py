@@ -25,6 +25,7 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -114,7 +115,7 @@ async def _read_upload(request: web.Request, max_bytes: int) -> tuple[str | None
                        "'purpose'.") from None
     purpose, filename, data = None, "", None
     while (part := await reader.next()) is not None:
-        if not isinstance(part, web.BodyPartReader):
+        if not isinstance(part, aiohttp.BodyPartReader):
             continue
         if part.name == "purpose":
             purpose = (await part.read(decode=True))[:64].decode(errors="replace")
