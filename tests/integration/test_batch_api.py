@@ -5,9 +5,12 @@ the same store (every ``custom_id`` in the output exactly once)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -171,16 +174,47 @@ def test_cancel_ends_the_lines_not_started_and_expiry_the_rest(tmp_path: Path) -
         assert {x["error"]["code"] for x in err} == {"batch_expired"}
 
 
+def test_operators_see_progress_and_cancel_with_the_cli(tmp_path: Path) -> None:
+    with gateways(config(tmp_path, speed=1.0, max_in_flight=2)) as (g,):
+        a = client(g, "a")
+        batch = submit(a, batch_file(30, max_tokens=200))
+
+        def samples() -> dict[tuple[str, str], float]:
+            text = httpx.get(g.url + "/metrics").text
+            return {(m.labels["batch"], m.labels.get("state", "")): m.value
+                    for f in text_string_to_metric_families(text) for m in f.samples
+                    if m.name == "sluice_batch_lines" and m.labels.get("batch") == batch.id}
+
+        wait_for_sync(lambda: samples().get((batch.id, "running"), 0) >= 1, 60,
+                      "the batch's progress on /metrics")
+        assert samples()[(batch.id, "total")] == 30
+        panel = httpx.get(g.url + "/admin/stats").json()["batches"]
+        assert [(b["id"], b["tenant"], b["total"]) for b in panel] == [(batch.id, "a", 30)]
+
+        def cli(*args: str) -> str:
+            run = subprocess.run([sys.executable, "-m", "gateway.cli", "batches", *args,
+                                  "--url", g.url], capture_output=True, text=True, timeout=30)
+            assert run.returncode == 0, run.stderr
+            return run.stdout
+
+        listed = cli("list")
+        assert batch.id in listed and " a " in listed and "in_progress" in listed
+        assert '"tenant": "a"' not in cli("show", batch.id)  # the batch object, as OpenAI's
+        assert json.loads(cli("show", batch.id))["request_counts"]["total"] == 30
+        assert "cancel" in cli("cancel", batch.id)
+        done = wait_status(a, batch.id, {"cancelled"})
+        assert done.request_counts.cancelled > 0
+        wait_for_sync(lambda: not samples(), 10, "the ended batch to leave /metrics")
+
+
 def _kill_tree(proc: psutil.Process) -> None:
     """SIGKILL the gateway; then its engines, which a killed gateway cannot stop."""
     children = proc.children(recursive=True)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     for child in children:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def test_a_gateway_killed_mid_batch_finishes_it_after_a_restart(tmp_path: Path) -> None:
