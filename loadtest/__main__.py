@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "fuzz": "loadtest.fuzz",
     "faults": "loadtest.faults",
     "soak": "loadtest.soak",
+    "batch": "loadtest.batch",
 }
 
 
