@@ -217,6 +217,9 @@ class BatchRunner:
         active = {p.batch_id for p in progress}
         for bid in [b for b in self.rates if b not in active]:
             del self.rates[bid]
+        held = {c.batch_id for c in self._buffer} | {b for b, _ in self._tasks}
+        for bid in [b for b in self._tenants if b not in active and b not in held]:
+            del self._tenants[bid]
         self.progress = progress
 
     async def _fill(self) -> None:
@@ -269,8 +272,11 @@ class BatchRunner:
                    TENANT_HEADER: self._tenants.get(line.batch_id, ""),
                    "x-request-id": request_id}
         try:
+            # no client timeout: the gateway bounds the line (its queue wait, then the
+            # engine's non-streaming timeout)
             async with self.session.post(f"{self.base_url}{line.url}", json=line.body,
-                                         headers=headers) as resp:
+                                         headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=None)) as resp:
                 raw = await resp.read()
                 status, retry_after = resp.status, resp.headers.get("Retry-After")
         except aiohttp.ClientConnectionError:  # this gateway is stopping: not the line's fault
