@@ -168,6 +168,10 @@ class BatchConfig(_Strict):
     max_completion_window_s: float = Field(7 * 86400.0, gt=0)
     lease_ttl_s: float = Field(30.0, gt=0, description="a claimed line's lease, s")
     max_in_flight: int = Field(128, ge=1, description="lines one gateway process runs at once")
+    headroom: float = Field(
+        0.1, ge=0, lt=1, description="fraction of each model's engines' learned concurrency "
+        "limits kept free of batch lines for online requests (at least; more while the "
+        "online arrivals need it: BandDemand.urgent_free)")
     queued_lines: int = Field(
         4, ge=1, description="batch-band tickets kept waiting in a model's admission queue "
         "(more are sent only as these are admitted: the batch takes capacity as it frees)")

@@ -34,7 +34,7 @@ from batch.store import BatchRecord, JobStore, open_job_store
 from config.schema import BatchConfig
 from gateway.admin import require_admin
 from gateway.batch_runner import BatchCollector, BatchRunner
-from gateway.keys import CONFIG, JOBS, METRICS, QUEUES, RUNNER, SESSION, TENANT
+from gateway.keys import CONFIG, DIRECTOR, JOBS, METRICS, POOL, QUEUES, RUNNER, SESSION, TENANT
 from limits.outcome import Outcome, Rejected
 
 _WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
@@ -306,7 +306,9 @@ async def batch_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG].gateway.batch
     store = await open_job_store(cfg.store_url, cfg.dir)
     app[JOBS] = store
-    runner = BatchRunner(store, cfg, app[SESSION], app[QUEUES])
+    runner = BatchRunner(store, cfg, app[SESSION], app[QUEUES], app[POOL],
+                         app[DIRECTOR].placer if DIRECTOR in app else None,
+                         app[CONFIG].gateway.slo)
     app[RUNNER] = runner
     collector = BatchCollector(runner)
     app[METRICS].registry.register(collector)

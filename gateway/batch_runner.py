@@ -7,10 +7,15 @@ waiting online ticket, sheds it first when full, and the placement keeps room fo
 the urgent bands (``BandDemand.urgent_free``), so lines run on the capacity online
 traffic leaves free and stop being admitted the moment it needs that capacity.
 
-Feeding: a line is sent only while its model's queue holds fewer than
-``BatchConfig.queued_lines`` batch-band tickets (at most ``max_in_flight`` lines per
-process): a few lines always wait for capacity to free, and no more pile up in front
-of the online traffic. A line answered 429 or 503 (shed, queue timeout, quota, no
+Feeding (:meth:`BatchRunner.room`): a line is sent only while its model's engines
+have room for it below their learned concurrency limits (the knee for the tightest
+TPOT target, :func:`gateway.metrics.concurrency_limit`) less the places kept for the
+online bands — ``BatchConfig.headroom`` of those limits, or more where
+:meth:`limits.engine_latency.BandDemand.urgent_free` asks for more — and no online
+request is waiting in the model's queue (the batch gives way at once); at most
+``queued_lines`` batch tickets wait in the queue and ``max_in_flight`` lines run per
+process. The admission each line then goes through decides, per engine, as for any
+request of the band. A line answered 429 or 503 (shed, queue timeout, quota, no
 engine) is handed back and retried after its ``Retry-After`` without counting as an
 attempt; a 5xx or a failed connection counts, and after ``max_attempts`` the last
 answer is its result; any other answer is its result at once.
@@ -28,6 +33,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -41,7 +47,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from batch.store import Claimed, JobStore, Progress
-from config.schema import BatchConfig, TenantQuota
+from config.schema import PRIORITIES, BatchConfig, SloConfig, TenantQuota
+from engines.pool import Engine, EnginePool
+from gateway.metrics import concurrency_limit
+from gateway.placement import Placer
 from limits.admission import AdmissionQueue
 
 log = logging.getLogger("sluice.batch")
@@ -59,6 +68,9 @@ RATE_TAU_S = 10.0
 MAX_EXPORTED = 50
 #: Retry-After assumed when a 429/503 carries none, s.
 DEFAULT_RETRY_S = 1.0
+#: A line sent less than this long ago (s) may not be in the queue or on an engine
+#: yet: :meth:`BatchRunner.room` counts it as taking a place.
+TRANSIT_S = 0.25
 #: Lines claimed per store round trip.
 CLAIM_CHUNK = 16
 
@@ -113,16 +125,25 @@ class BatchRunner:
         cfg: ``gateway.batch``.
         session: the app's client session (loopback requests).
         queues: the admission queues, ``{model: AdmissionQueue}`` (read for the
-            batch band's depth).
+            depth of each band).
+        pool: the engines (their learned limits and this process's requests on them).
+        placer: the placement (the online bands' demand), once the pipeline runs.
+        slo: the bands' targets.
     """
 
     def __init__(self, store: JobStore, cfg: BatchConfig, session: aiohttp.ClientSession,
-                 queues: dict[str, AdmissionQueue]) -> None:
+                 queues: dict[str, AdmissionQueue], pool: EnginePool,
+                 placer: Placer | None, slo: SloConfig) -> None:
         self.store, self.cfg, self.session, self.queues = store, cfg, session, queues
+        self.pool, self.placer, self.slo = pool, placer, slo
+        self._tpot_s = min(slo.target(p).tpot_s for p in PRIORITIES)
+        self._ttft_targets = {p: slo.target(p).ttft_s for p in PRIORITIES}
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.base_url: str | None = None
         self._buffer: deque[Claimed] = deque()
         self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
+        #: each running line's model and when it was sent (monotonic s)
+        self._sent: dict[tuple[str, int], tuple[object, float]] = {}
         self._tenants: dict[str, str] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -233,22 +254,56 @@ class BatchRunner:
                 self._tenants[line.batch_id] = rec.tenant if rec else ""
         self._buffer.extend(claimed)
 
-    def _waiting(self, model: object) -> int:
-        queue = self.queues.get(model) if isinstance(model, str) else None
-        return 0 if queue is None else queue.depth()["batch"]
+    def room(self, model: str) -> int:
+        """Lines of ``model`` this process may send now: the engines' learned limits
+        (an engine without one yet counts 1, so its model is learned before it is
+        filled) less the places kept for online requests, less this process's
+        requests on them, its batch tickets waiting and its lines sent in the last
+        :data:`TRANSIT_S` (on their way); 0 while an online request
+        waits, at most ``queued_lines`` more than the batch tickets waiting. A model
+        nobody serves gets 1 (its line is answered 404)."""
+        queue = self.queues.get(model)
+        engines = [e for e in self.pool.for_model(model) if e.routable]
+        if queue is None:
+            return 1
+        depth = queue.depth()
+        if not engines or depth["interactive"] or depth["standard"]:
+            return 0
+        limits = [self._limit(e) for e in engines]
+        places = sum(limits)
+        keep = math.ceil(self.cfg.headroom * places)
+        if self.placer is not None:
+            keep = max(keep, self.placer.band_demand(model).urgent_free(
+                "batch", places, self._ttft_targets))
+        now = time.monotonic()
+        transit = sum(1 for m, at in self._sent.values() if m == model and now - at < TRANSIT_S)
+        free = places - keep - sum(e.in_flight for e in engines) - depth["batch"] - transit
+        return max(0, min(free, self.cfg.queued_lines - depth["batch"] - transit))
+
+    def _limit(self, engine: Engine) -> int:
+        """``engine``'s learned concurrency limit (:func:`concurrency_limit`); 1 until
+        it has learned one (its slots are no limit the SLO allows), its slots (or 1)
+        without adaptive admission."""
+        if engine.latency is not None and engine.latency.limit(self._tpot_s) is None:
+            return 1
+        return concurrency_limit(engine, self._tpot_s) or engine.slots or 1
 
     def _launch(self) -> None:
-        """Send buffered lines while their model's queue has room for batch tickets."""
+        """Send buffered lines while their model has :meth:`room` for them."""
         sent: dict[object, int] = {}
         kept: deque[Claimed] = deque()
+        rooms: dict[object, int] = {}
         while self._buffer:
             line = self._buffer.popleft()
             model = line.body.get("model")
-            if self._waiting(model) + sent.get(model, 0) >= self.cfg.queued_lines:
+            if model not in rooms:
+                rooms[model] = self.room(model) if isinstance(model, str) else 1
+            if sent.get(model, 0) >= rooms[model]:
                 kept.append(line)
                 continue
             sent[model] = sent.get(model, 0) + 1
             key = (line.batch_id, line.idx)
+            self._sent[key] = (model, time.monotonic())
             task = asyncio.create_task(self._run_line(line))
             self._tasks[key] = task
             task.add_done_callback(lambda _t, k=key: self._done(k))
@@ -256,6 +311,7 @@ class BatchRunner:
 
     def _done(self, key: tuple[str, int]) -> None:
         self._tasks.pop(key, None)
+        self._sent.pop(key, None)
         self._wake.set()
 
     # ------------------------------------------------------------------ one line

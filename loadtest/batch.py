@@ -52,7 +52,7 @@ from typing import Any
 import aiohttp
 
 from engines.kinds import KINDS
-from loadtest.adaptive import BENCH_SLO, ENGINE_EXTRA, probe
+from loadtest.adaptive import BENCH_SLO, ENGINE_EXTRA, probe, rejections
 from loadtest.changed import changed_settings
 from loadtest.launch import RunningGateway, gateway
 from loadtest.overload import (
@@ -225,6 +225,7 @@ async def run_load(session: aiohttp.ClientSession, engines: Engines, args: argpa
                 if with_batch else None
             t0 = time.perf_counter()
             tokens0 = await batch_tokens(session, gw.url)
+            shed0 = await rejections(session, gw.url)
             ended: dict[str, float] = {}
             watcher = asyncio.create_task(watch_end(session, gw.url, batch_id, t0, ended))
             with BusySampler(session, engines.urls, per_engine) as busy:
@@ -233,6 +234,9 @@ async def run_load(session: aiohttp.ClientSession, engines: Engines, args: argpa
             span = min(ended.get("at", args.duration), args.duration)
             watcher.cancel()
             summary = attainment(outcomes)
+            # the gateway's rejections by band:reason (the batch band's are its lines')
+            summary["shed_reasons"] = dict(sorted(
+                (await rejections(session, gw.url) - shed0).items()))
             summary["fleet_utilisation"] = busy.mean
             if batch_id is not None:
                 state = await batch_state(session, gw.url, batch_id)
