@@ -304,6 +304,20 @@ async def run_restart(session: aiohttp.ClientSession, args: argparse.Namespace,
         engines.stop()
 
 
+def _commit() -> str | None:
+    """The checkout's commit (and ``+dirty`` with uncommitted changes), for the report."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def _sigkill(gw: RunningGateway) -> None:
     gw.proc.send_signal(signal.SIGKILL)
     gw.proc.wait(10)
@@ -312,7 +326,9 @@ def _sigkill(gw: RunningGateway) -> None:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"config": {"changed": {}, "engines": args.engines,
+    report: dict[str, Any] = {"commit": _commit(), "started": time.strftime(
+                                  "%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              "config": {"changed": {}, "engines": args.engines,
                                          "duration_s": args.duration,
                                          "batch_lines": args.batch_lines}}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
