@@ -5,15 +5,19 @@ the same store (every ``custom_id`` in the output exactly once)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
+import secrets
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 import openai
 import psutil
@@ -32,6 +36,7 @@ from tests.integration.limits_support import (
 from tests.support import wait_for_sync
 
 pytestmark = pytest.mark.timeout(240)
+PG = "postgresql://postgres@127.0.0.1:5432/test"
 
 
 def config(directory: Path, *, speed: float = 50.0, **batch: Any) -> Path:
@@ -68,6 +73,12 @@ def wait_status(c: OpenAI, batch_id: str, statuses: set[str], timeout_s: float =
 
     wait_for_sync(ended, timeout_s, f"batch {batch_id} to reach {statuses}")
     return seen[-1]
+
+
+def in_flight(g: GatewayProc) -> float:
+    """Batch lines the gateway process is running (its ``/metrics``)."""
+    return sum(m.value for f in text_string_to_metric_families(httpx.get(g.url + "/metrics").text)
+               for m in f.samples if m.name == "sluice_batch_lines_in_flight")
 
 
 def lines_of(c: OpenAI, file_id: str | None) -> list[dict]:
@@ -215,6 +226,41 @@ def _kill_tree(proc: psutil.Process) -> None:
     for child in children:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A schema of its own in the machine's PostgreSQL (database ``test``)."""
+    schema = f"t_{secrets.token_hex(6)}"
+
+    async def sql(stmt: str) -> None:
+        conn = await asyncpg.connect(PG)
+        try:
+            await conn.execute(stmt)
+        finally:
+            await conn.close()
+
+    asyncio.run(sql(f"CREATE SCHEMA {schema}"))
+    yield f"{PG}?search_path={schema}"
+    asyncio.run(sql(f"DROP SCHEMA {schema} CASCADE"))
+
+
+def test_a_replica_that_dies_leaves_its_lines_to_the_one_alive(tmp_path: Path,
+                                                               pg_url: str) -> None:
+    cfg = config(tmp_path, speed=5.0, store_url=pg_url, lease_ttl_s=2.0, max_in_flight=8)
+    n = 60
+    with gateways(cfg, n=2) as (g1, g2):
+        a1, a2 = client(g1, "a"), client(g2, "a")
+        batch = submit(a1, batch_file(n, max_tokens=16))
+        assert a2.batches.retrieve(batch.id).request_counts.total == n  # one store
+        wait_for_sync(lambda: a2.batches.retrieve(batch.id).request_counts.completed >= n // 4,
+                      90, "a quarter of the lines")
+        wait_for_sync(lambda: in_flight(g1) >= 1, 30, "the first replica to hold lines")
+        _kill_tree(psutil.Process(g1.proc.pid))
+        done = wait_status(a2, batch.id, {"completed"}, timeout_s=120)
+        ids = [x["custom_id"] for x in lines_of(a2, done.output_file_id)]
+        assert sorted(ids) == sorted(f"line-{i}" for i in range(n))  # each exactly once
+        assert done.request_counts.completed == n
 
 
 def test_a_gateway_killed_mid_batch_finishes_it_after_a_restart(tmp_path: Path) -> None:
