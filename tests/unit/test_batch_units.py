@@ -3,12 +3,17 @@ a batch's lines/s estimate, the internal secret."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from config.schema import BatchConfig, TenantQuota
+from config.schema import BatchConfig, QueueConfig, SloConfig, TenantQuota
+from engines.pool import Engine, EnginePool, EngineState
 from gateway.batch_api import window_s
-from gateway.batch_runner import _Rate, batch_tenant, internal_secret, is_internal
+from gateway.batch_runner import BatchRunner, _Rate, batch_tenant, internal_secret, is_internal
+from limits.admission import AdmissionQueue
 from limits.outcome import Rejected
+from tests.support import ManualClock
 
 
 @pytest.mark.parametrize(("value", "seconds"), [("24h", 86400), ("90m", 5400), ("3s", 3),
@@ -55,3 +60,48 @@ def test_the_internal_secret_is_stable_and_compared_exactly() -> None:
     assert internal_secret() == secret and len(secret) == 32
     assert is_internal(secret)
     assert not is_internal(secret[:-1]) and not is_internal(None) and not is_internal("")
+
+
+def _runner(engines: list[Engine], queue: AdmissionQueue, **cfg: float) -> BatchRunner:
+    return BatchRunner(None, BatchConfig(**cfg), None, {"m": queue},  # type: ignore[arg-type]
+                       EnginePool(engines), None, SloConfig())
+
+
+def _engine(name: str, in_flight: int, slots: int = 8) -> Engine:
+    return Engine(id=name, model="m", base_url="http://x", state=EngineState.READY,
+                  in_flight=in_flight, slots=slots)
+
+
+async def test_lines_are_sent_only_into_room_left_below_the_limits_less_the_headroom() -> None:
+    queue: AdmissionQueue = AdmissionQueue("m", QueueConfig(), ManualClock())
+    engines = [_engine("a", 3), _engine("b", 2), _engine("down", 0)]
+    engines[2].state = EngineState.UNHEALTHY
+    runner = _runner(engines, queue, headroom=0.25, queued_lines=4)
+    # 16 places (two ready engines x 8 slots), 4 kept, 5 taken: 7 free, 4 at most queued
+    assert runner.room("m") == 4
+    runner = _runner(engines, queue, headroom=0.25, queued_lines=20)
+    assert runner.room("m") == 7
+    engines[0].in_flight = 12
+    assert runner.room("m") == 0  # the online requests took the room: no new line
+    assert runner.room("unserved") == 1  # answered 404 by the gateway, as it should be
+
+
+async def test_lines_give_way_while_an_online_request_waits() -> None:
+    clock = ManualClock()
+    queue: AdmissionQueue = AdmissionQueue("m", QueueConfig(), clock)
+    runner = _runner([_engine("a", 0)], queue, headroom=0.0, queued_lines=8)
+    assert runner.room("m") == 8
+    batch = asyncio.create_task(queue.admit(
+        queue.ticket(TenantQuota(name="t", priority="batch"), 10), lambda _t: None,
+        lambda _p: None))
+    await asyncio.sleep(0)
+    assert queue.depth()["batch"] == 1 and runner.room("m") == 7  # one place is its
+    online = asyncio.create_task(queue.admit(
+        queue.ticket(TenantQuota(name="u", priority="standard"), 10), lambda _t: None,
+        lambda _p: None))
+    await asyncio.sleep(0)
+    assert runner.room("m") == 0
+    for task in (batch, online):
+        task.cancel()
+    await asyncio.gather(batch, online, return_exceptions=True)
+    queue.close()
