@@ -21,7 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
+import asyncpg
+
 Row = tuple[Any, ...]
+#: What a store that cannot be reached (or fails) raises: callers answer 503.
+STORE_ERRORS: tuple[type[BaseException], ...] = (
+    OSError, sqlite3.Error, asyncpg.PostgresError, asyncpg.InterfaceError)
 
 
 class Database(Protocol):
@@ -172,8 +177,6 @@ class PostgresDatabase:
 
     @classmethod
     async def connect(cls, url: str, *, max_size: int = 8) -> PostgresDatabase:
-        import asyncpg
-
         return cls(await asyncpg.create_pool(url, min_size=1, max_size=max_size))
 
     @staticmethod

@@ -21,8 +21,11 @@ unknown one. The lines run in :mod:`gateway.batch_runner`; the state is in
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -30,12 +33,18 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from batch import jsonl
+from batch.db import STORE_ERRORS
 from batch.store import BatchRecord, JobStore, open_job_store
 from config.schema import BatchConfig
 from gateway.admin import require_admin
 from gateway.batch_runner import BatchCollector, BatchRunner
-from gateway.keys import CONFIG, DIRECTOR, JOBS, METRICS, POOL, QUEUES, RUNNER, SESSION, TENANT
+from gateway.keys import CONFIG, DIRECTOR, METRICS, POOL, QUEUES, RUNNER, SESSION, TENANT
 from limits.outcome import Outcome, Rejected
+
+log = logging.getLogger("sluice.batch")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: Retry-After while the job store is unreachable, s; and how often it is retried.
+STORE_RETRY_S = 5
 
 _WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -63,8 +72,30 @@ def _cfg(request: web.Request) -> BatchConfig:
     return request.app[CONFIG].gateway.batch
 
 
+def _unavailable() -> Rejected:
+    return Rejected(Outcome.OVERLOADED, "The batch store is unavailable; retry shortly.",
+                    retry_after_s=STORE_RETRY_S, reason="store_unavailable")
+
+
 def _store(request: web.Request) -> JobStore:
-    return request.app[JOBS]
+    """Raises:
+        Rejected: 503 while the job store has not opened."""
+    store = request.app[RUNNER].store
+    if store is None:
+        raise _unavailable()
+    return store
+
+
+def _guarded(handler: Handler) -> Handler:
+    """``handler`` with the job store's failures answered 503 (logged), not 500."""
+    @functools.wraps(handler)
+    async def run(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except STORE_ERRORS as e:
+            log.warning("batch store failed: %r", e)
+            raise _unavailable() from None
+    return run
 
 
 def _tenant(request: web.Request) -> str:
@@ -275,19 +306,18 @@ async def admin_cancel(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     """The endpoints above and :func:`batch_ctx` (store and runner)."""
-    r = app.router
-    r.add_post("/v1/files", create_file)
-    r.add_get("/v1/files", list_files)
-    r.add_get("/v1/files/{file_id}", get_file)
-    r.add_get("/v1/files/{file_id}/content", file_content)
-    r.add_delete("/v1/files/{file_id}", delete_file)
-    r.add_post("/v1/batches", create_batch)
-    r.add_get("/v1/batches", list_batches)
-    r.add_get("/v1/batches/{batch_id}", get_batch)
-    r.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
-    r.add_get("/admin/batches", admin_list)
-    r.add_get("/admin/batches/{batch_id}", admin_get)
-    r.add_post("/admin/batches/{batch_id}/cancel", admin_cancel)
+    for method, path, handler in (
+            ("POST", "/v1/files", create_file), ("GET", "/v1/files", list_files),
+            ("GET", "/v1/files/{file_id}", get_file),
+            ("GET", "/v1/files/{file_id}/content", file_content),
+            ("DELETE", "/v1/files/{file_id}", delete_file),
+            ("POST", "/v1/batches", create_batch), ("GET", "/v1/batches", list_batches),
+            ("GET", "/v1/batches/{batch_id}", get_batch),
+            ("POST", "/v1/batches/{batch_id}/cancel", cancel_batch),
+            ("GET", "/admin/batches", admin_list),
+            ("GET", "/admin/batches/{batch_id}", admin_get),
+            ("POST", "/admin/batches/{batch_id}/cancel", admin_cancel)):
+        app.router.add_route(method, path, _guarded(handler))
     app.cleanup_ctx.append(batch_ctx)
     app.on_shutdown.append(_stop_runner)
 
@@ -299,23 +329,46 @@ async def _stop_runner(app: web.Application) -> None:
         await app[RUNNER].stop()
 
 
-async def batch_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Opens the job store and runs this process's :class:`BatchRunner` (which sends
-    nothing until :meth:`BatchRunner.serve_at` names the bound address); its
-    collector on ``/metrics``. On shutdown the runner hands back its leases."""
+async def _open_store(app: web.Application) -> JobStore:
+    """The job store, retried every :data:`STORE_RETRY_S` s while it cannot be opened
+    (the gateway serves online traffic meanwhile; the Batch API answers 503)."""
     cfg = app[CONFIG].gateway.batch
-    store = await open_job_store(cfg.store_url, cfg.dir)
-    app[JOBS] = store
-    runner = BatchRunner(store, cfg, app[SESSION], app[QUEUES], app[POOL],
+    while True:
+        try:
+            return await open_job_store(cfg.store_url, cfg.dir)
+        except STORE_ERRORS as e:
+            log.error("batch store %s cannot be opened (%r); retrying in %d s",
+                      cfg.store_url.split("@")[-1], e, STORE_RETRY_S)
+            await asyncio.sleep(STORE_RETRY_S)
+
+
+async def batch_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Runs this process's :class:`BatchRunner` (which sends nothing until
+    :meth:`BatchRunner.serve_at` names the bound address) and opens its job store, in
+    the background while the store is unreachable; the collector on ``/metrics``. On
+    shutdown the runner hands back its leases."""
+    cfg = app[CONFIG].gateway.batch
+    runner = BatchRunner(None, cfg, app[SESSION], app[QUEUES], app[POOL],
                          app[DIRECTOR].placer if DIRECTOR in app else None,
                          app[CONFIG].gateway.slo)
     app[RUNNER] = runner
     collector = BatchCollector(runner)
     app[METRICS].registry.register(collector)
-    runner.start()
+
+    async def start() -> None:
+        runner.store = await _open_store(app)
+        runner.start()
+
+    opening = asyncio.create_task(start())
+    with contextlib.suppress(TimeoutError):  # an embedded store opens at once
+        await asyncio.wait_for(asyncio.shield(opening), 2.0)
     try:
         yield
     finally:
+        opening.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await opening
         await runner.stop()
         app[METRICS].registry.unregister(collector)
-        await store.close()
+        if runner.store is not None:
+            await runner.store.close()

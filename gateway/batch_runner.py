@@ -121,7 +121,8 @@ class BatchRunner:
     """Claims and runs batch lines in one gateway process.
 
     Args:
-        store: the job store.
+        store: the job store; None until it opens (set :attr:`store` then, before
+            :meth:`start`).
         cfg: ``gateway.batch``.
         session: the app's client session (loopback requests).
         queues: the admission queues, ``{model: AdmissionQueue}`` (read for the
@@ -131,10 +132,11 @@ class BatchRunner:
         slo: the bands' targets.
     """
 
-    def __init__(self, store: JobStore, cfg: BatchConfig, session: aiohttp.ClientSession,
+    def __init__(self, store: JobStore | None, cfg: BatchConfig, session: aiohttp.ClientSession,
                  queues: dict[str, AdmissionQueue], pool: EnginePool,
                  placer: Placer | None, slo: SloConfig) -> None:
-        self.store, self.cfg, self.session, self.queues = store, cfg, session, queues
+        self.store: JobStore | None = store
+        self.cfg, self.session, self.queues = cfg, session, queues
         self.pool, self.placer, self.slo = pool, placer, slo
         self._tpot_s = min(slo.target(p).tpot_s for p in PRIORITIES)
         self._ttft_targets = {p: slo.target(p).ttft_s for p in PRIORITIES}
@@ -172,6 +174,11 @@ class BatchRunner:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    @property
+    def _jobs(self) -> JobStore:
+        assert self.store is not None, "the runner starts once its store is open"
+        return self.store
+
     def poke(self) -> None:
         """Look for work now (a batch was created)."""
         self._wake.set()
@@ -208,7 +215,7 @@ class BatchRunner:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(Exception):
-                await self.store.release(self.owner)
+                await self._jobs.release(self.owner)
 
     async def _housekeeping(self) -> None:
         """Renew leases every ``lease_ttl_s / 3``; finalise due batches and read
@@ -218,10 +225,10 @@ class BatchRunner:
             try:
                 if time.monotonic() - renewed >= self.cfg.lease_ttl_s / 3:
                     held = [*self._tasks, *((c.batch_id, c.idx) for c in self._buffer)]
-                    await self.store.renew(self.owner, self.cfg.lease_ttl_s, held)
+                    await self._jobs.renew(self.owner, self.cfg.lease_ttl_s, held)
                     renewed = time.monotonic()
-                await self.store.finalize_due()
-                self._observe(await self.store.progress())
+                await self._jobs.finalize_due()
+                self._observe(await self._jobs.progress())
             except Exception:  # noqa: BLE001 - logged; the next round tries again
                 log.exception("batch runner: housekeeping failed")
             await asyncio.sleep(min(1.0, self.cfg.lease_ttl_s / 3))
@@ -247,10 +254,10 @@ class BatchRunner:
         room = self.cfg.max_in_flight - len(self._tasks) - len(self._buffer)
         if len(self._buffer) >= CLAIM_CHUNK or room <= 0:
             return
-        claimed = await self.store.claim(self.owner, min(CLAIM_CHUNK, room), self.cfg.lease_ttl_s)
+        claimed = await self._jobs.claim(self.owner, min(CLAIM_CHUNK, room), self.cfg.lease_ttl_s)
         for line in claimed:
             if line.batch_id not in self._tenants:
-                rec = await self.store.get_batch(None, line.batch_id)
+                rec = await self._jobs.get_batch(None, line.batch_id)
                 self._tenants[line.batch_id] = rec.tenant if rec else ""
         self._buffer.extend(claimed)
 
@@ -336,7 +343,7 @@ class BatchRunner:
                 raw = await resp.read()
                 status, retry_after = resp.status, resp.headers.get("Retry-After")
         except aiohttp.ClientConnectionError:  # this gateway is stopping: not the line's fault
-            await self.store.retry_later(self.owner, line, DEFAULT_RETRY_S, attempt=False)
+            await self._jobs.retry_later(self.owner, line, DEFAULT_RETRY_S, attempt=False)
             return
         except (aiohttp.ClientError, TimeoutError) as e:
             await self._failed_try(line, 502, {"error": {
@@ -354,7 +361,7 @@ class BatchRunner:
             except ValueError:
                 delay = DEFAULT_RETRY_S
             self.results["retried"] += 1
-            await self.store.retry_later(self.owner, line, delay, attempt=False)
+            await self._jobs.retry_later(self.owner, line, delay, attempt=False)
             return
         if status >= 500:
             await self._failed_try(line, status, body, request_id)
@@ -369,11 +376,11 @@ class BatchRunner:
             await self._finish(line, status, body, request_id, 0)
         else:
             self.results["retried"] += 1
-            await self.store.retry_later(self.owner, line, DEFAULT_RETRY_S, attempt=True)
+            await self._jobs.retry_later(self.owner, line, DEFAULT_RETRY_S, attempt=True)
 
     async def _finish(self, line: Claimed, status: int, body: dict, request_id: str,
                       tokens: int) -> None:
-        kept = await self.store.finish(self.owner, line, status, body, request_id, tokens)
+        kept = await self._jobs.finish(self.owner, line, status, body, request_id, tokens)
         result = "dropped" if not kept else "ok" if 200 <= status < 300 else "failed"
         self.results[result] += 1
 

@@ -11,7 +11,6 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
-from batch.store import JobStore
 from config.schema import Config, TenantQuota
 from engines.pool import EnginePool
 from engines.scheduler import Scheduler
@@ -58,8 +57,7 @@ RELOADER = web.AppKey("reloader", ConfigReloader | None)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 DIRECTOR: web.AppKey[Director] = web.AppKey("director")
-#: the Batch API's job store and this process's runner (with ``batch.enabled``)
-JOBS = web.AppKey("jobs", JobStore)
+#: this process's Batch API runner and its job store (with ``batch.enabled``)
 RUNNER = web.AppKey("batch_runner", BatchRunner)
 
 # per-request keys

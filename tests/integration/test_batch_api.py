@@ -25,6 +25,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import free_port
 from tests.integration.limits_support import (
     MODEL,
     GatewayProc,
@@ -280,3 +281,17 @@ def test_a_gateway_killed_mid_batch_finishes_it_after_a_restart(tmp_path: Path) 
         ids = [x["custom_id"] for x in out]
         assert sorted(ids) == sorted(f"line-{i}" for i in range(n))  # each exactly once
         assert done.request_counts.completed == n and done.error_file_id is None
+
+
+def test_an_unreachable_store_is_a_503_and_online_traffic_goes_on(tmp_path: Path) -> None:
+    dead = f"postgresql://postgres@127.0.0.1:{free_port()}/test"
+    with gateways(config(tmp_path, store_url=dead)) as (g,):
+        a = client(g, "a")
+        with pytest.raises(openai.InternalServerError) as e:
+            a.batches.list()
+        assert e.value.status_code == 503
+        assert e.value.response.headers["Retry-After"] == "5"
+        assert e.value.body["code"] == "overloaded"
+        r = a.chat.completions.create(model=MODEL, max_tokens=2,
+                                      messages=[{"role": "user", "content": "hi"}])
+        assert r.usage.completion_tokens == 2
