@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-#: The endpoints a batch may target (``/v1/responses`` is not served by Sluice).
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+#: The endpoints OpenAI's Batch API runs (a batch may target those the gateway serves).
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 #: Longest ``custom_id``, characters (OpenAI's limit is 512 as well).
 MAX_CUSTOM_ID = 512
 #: Errors reported for one file at most (the first ones, in line order).

@@ -5,7 +5,9 @@
   ``batch.max_file_bytes`` and ``batch.max_lines``, validated line by line, 400 naming
   the lines), ``GET /v1/files`` (``limit``, ``after``, ``purpose``),
   ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``, ``DELETE /v1/files/{id}``;
-* ``POST /v1/batches`` (``input_file_id``, ``endpoint``, ``completion_window`` —
+* ``POST /v1/batches`` (``input_file_id``, ``endpoint`` — one of OpenAI's batch
+  endpoints that this gateway serves: chat completions and completions today,
+  embeddings and responses once routed —, ``completion_window`` —
   ``24h`` or any ``N`` + ``s``/``m``/``h``/``d`` up to
   ``batch.max_completion_window_s`` —, ``metadata``), ``GET /v1/batches`` (newest
   first; ``limit`` 1–100, default 20; ``after``), ``GET /v1/batches/{id}``,
@@ -227,6 +229,13 @@ def _metadata(value: dict[str, str] | None) -> dict[str, str] | None:
     return value
 
 
+def _served(app: web.Application) -> list[str]:
+    """The batch endpoints (:data:`batch.jsonl.ENDPOINTS`) with a POST route here."""
+    posts = {r.resource.canonical for r in app.router.routes()
+             if r.method == "POST" and r.resource is not None}
+    return [e for e in jsonl.ENDPOINTS if e in posts]
+
+
 async def create_batch(request: web.Request) -> web.Response:
     cfg, store, tenant = _cfg(request), _store(request), _tenant(request)
     try:
@@ -235,8 +244,10 @@ async def create_batch(request: web.Request) -> web.Response:
         first = e.errors()[0]
         raise _invalid(f"{'.'.join(map(str, first['loc'])) or 'body'}: {first['msg']}",
                        ".".join(map(str, first["loc"])) or None) from None
-    if body.endpoint not in jsonl.ENDPOINTS:
-        raise _invalid(f"endpoint must be one of {', '.join(jsonl.ENDPOINTS)}.", "endpoint")
+    served = _served(request.app)
+    if body.endpoint not in served:
+        raise _invalid(f"endpoint must be one of {', '.join(served)} (the batch "
+                       "endpoints this gateway serves).", "endpoint")
     seconds = window_s(body.completion_window, cfg.max_completion_window_s)
     metadata = _metadata(body.metadata)
     rec = await store.get_file(tenant, body.input_file_id)

@@ -148,6 +148,10 @@ def test_bad_files_and_batches_are_400s_that_name_the_problem(tmp_path: Path) ->
         with pytest.raises(openai.NotFoundError):
             a.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
                              completion_window="24h")
+        with pytest.raises(openai.BadRequestError, match="endpoint must be one of "
+                           "/v1/chat/completions, /v1/completions"):
+            a.batches.create(input_file_id=f.id, endpoint="/v1/moderations",  # type: ignore[arg-type]
+                             completion_window="24h")
         wrong = a.batches.create(input_file_id=f.id, endpoint="/v1/completions",
                                  completion_window="24h")
         assert wrong.status == "failed" and wrong.errors.data[0].line == 1
