@@ -151,7 +151,12 @@ async def _read_upload(request: web.Request, max_bytes: int) -> tuple[str | None
         if not isinstance(part, aiohttp.BodyPartReader):
             continue
         if part.name == "purpose":
-            purpose = (await part.read(decode=True))[:64].decode(errors="replace")
+            raw = b""
+            while chunk := await part.read_chunk(1024):
+                raw += chunk
+                if len(raw) > 1024:
+                    raise _invalid("purpose is longer than 1 KiB.", "purpose")
+            purpose = raw[:64].decode(errors="replace")
         elif part.name == "file":
             filename = (part.filename or "upload.jsonl")[:255]
             chunks, size = [], 0
