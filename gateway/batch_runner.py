@@ -289,11 +289,14 @@ class BatchRunner:
 
     def _limit(self, engine: Engine) -> int:
         """``engine``'s learned concurrency limit (:func:`concurrency_limit`); 1 until
-        it has learned one (its slots are no limit the SLO allows), its slots (or 1)
-        without adaptive admission."""
-        if engine.latency is not None and engine.latency.limit(self._tpot_s) is None:
-            return 1
-        return concurrency_limit(engine, self._tpot_s) or engine.slots or 1
+        it has learned one (its slots are no limit the SLO allows). Without adaptive
+        admission: ``saturation.max_in_flight``, else its slots, else
+        ``batch.max_in_flight`` (the KV watermarks of the placement then decide)."""
+        if engine.latency is not None:
+            return 1 if engine.latency.limit(self._tpot_s) is None else \
+                concurrency_limit(engine, self._tpot_s) or 1
+        cap = self.placer.detector.max_in_flight if self.placer is not None else None
+        return cap or engine.slots or self.cfg.max_in_flight
 
     def _launch(self) -> None:
         """Send buffered lines while their model has :meth:`room` for them."""

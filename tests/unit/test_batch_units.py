@@ -67,14 +67,14 @@ def _runner(engines: list[Engine], queue: AdmissionQueue, **cfg: float) -> Batch
                        EnginePool(engines), None, SloConfig())
 
 
-def _engine(name: str, in_flight: int, slots: int = 8) -> Engine:
+def _engine(name: str, in_flight: int, slots: int | None = 8) -> Engine:
     return Engine(id=name, model="m", base_url="http://x", state=EngineState.READY,
                   in_flight=in_flight, slots=slots)
 
 
 async def test_lines_are_sent_only_into_room_left_below_the_limits_less_the_headroom() -> None:
     queue: AdmissionQueue = AdmissionQueue("m", QueueConfig(), ManualClock())
-    engines = [_engine("a", 3), _engine("b", 2), _engine("down", 0)]
+    engines = [_engine("a", 3), _engine("b", 2), _engine("down", 0)]  # adaptive off: slots
     engines[2].state = EngineState.UNHEALTHY
     runner = _runner(engines, queue, headroom=0.25, queued_lines=4)
     # 16 places (two ready engines x 8 slots), 4 kept, 5 taken: 7 free, 4 at most queued
@@ -84,6 +84,10 @@ async def test_lines_are_sent_only_into_room_left_below_the_limits_less_the_head
     engines[0].in_flight = 12
     assert runner.room("m") == 0  # the online requests took the room: no new line
     assert runner.room("unserved") == 1  # answered 404 by the gateway, as it should be
+    # no learned limit, no slots, no cap: batch.max_in_flight (the KV watermarks decide)
+    runner = _runner([_engine("c", 0, slots=None)], queue, headroom=0.5, queued_lines=100,
+                     max_in_flight=40)
+    assert runner.room("m") == 20
 
 
 async def test_lines_give_way_while_an_online_request_waits() -> None:
