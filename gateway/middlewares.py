@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from opentelemetry.trace import SpanKind
 
-from gateway.auth import is_loopback, presented_key
+from gateway.auth import presented_key
 from gateway.batch_runner import INTERNAL_HEADER, TENANT_HEADER, batch_tenant, is_internal
 from gateway.errors import error_response
 from gateway.keys import CLOCK, CONFIG, OBSERVERS, RECORD, REQUEST_ID, SPANS, TENANT, TENANTS
@@ -123,8 +123,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         internal = request.headers.get(INTERNAL_HEADER)
         if internal is None:
             tenant = request.app[TENANTS].resolve(presented_key(request), request.remote)
-        elif is_internal(internal) and is_loopback(request.remote):
-            # a batch line the gateway sends itself (gateway.batch_runner)
+        elif is_internal(internal):
+            # a batch line the gateway sends itself (gateway.batch_runner), to the
+            # address it listens on (loopback, or the host's own address)
             tenant = batch_tenant(request.app[TENANTS].by_name(
                 request.headers.get(TENANT_HEADER, "")), request.app[CONFIG].gateway.batch)
         else:
