@@ -366,7 +366,8 @@ async def batch_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG].gateway.batch
     runner = BatchRunner(None, cfg, app[SESSION], app[QUEUES], app[POOL],
                          app[DIRECTOR].placer if DIRECTOR in app else None,
-                         app[CONFIG].gateway.slo)
+                         app[CONFIG].gateway.slo,
+                         app[DIRECTOR].mix if DIRECTOR in app else None)
     app[RUNNER] = runner
     collector = BatchCollector(runner)
     app[METRICS].registry.register(collector)

@@ -11,8 +11,11 @@ Feeding (:meth:`BatchRunner.room`): a line is sent only while its model's engine
 have room for it below their learned concurrency limits (the knee for the tightest
 TPOT target, :func:`gateway.metrics.concurrency_limit`) less the places kept for the
 online bands — ``BatchConfig.headroom`` of those limits, or more where
-:meth:`limits.engine_latency.BandDemand.urgent_free` asks for more — and no online
-request is waiting in the model's queue (the batch gives way at once); at most
+:meth:`limits.engine_latency.BandDemand.urgent_free` asks for more —, one line per
+engine on which an interactive request would still start within half its TTFT
+target (a batch line's prefill queues ahead of the next online request on an FCFS
+engine), and no online request is waiting in the model's queue (the batch gives way
+at once); at most
 ``queued_lines`` batch tickets wait in the queue and ``max_in_flight`` lines run per
 process. The admission each line then goes through decides, per engine, as for any
 request of the band. A line answered 429 or 503 (shed, queue timeout, quota, no
@@ -52,6 +55,7 @@ from engines.pool import Engine, EnginePool
 from gateway.metrics import concurrency_limit
 from gateway.placement import Placer
 from limits.admission import AdmissionQueue
+from limits.capacity import MixTracker
 
 log = logging.getLogger("sluice.batch")
 
@@ -71,6 +75,11 @@ DEFAULT_RETRY_S = 1.0
 #: A line sent less than this long ago (s) may not be in the queue or on an engine
 #: yet: :meth:`BatchRunner.room` counts it as taking a place.
 TRANSIT_S = 0.25
+#: A batch line may be sent only while an engine would start an interactive request
+#: within this share of its TTFT target (the rest is the online request's slack).
+TTFT_SHARE = 0.5
+#: Uncached prompt tokens assumed of a request before the model's mix is observed.
+DEFAULT_PROMPT_TOKENS = 512
 #: Lines claimed per store round trip.
 CLAIM_CHUNK = 16
 
@@ -130,14 +139,16 @@ class BatchRunner:
         pool: the engines (their learned limits and this process's requests on them).
         placer: the placement (the online bands' demand), once the pipeline runs.
         slo: the bands' targets.
+        mix: each model's observed request mix (the typical prompt), or None.
     """
 
     def __init__(self, store: JobStore | None, cfg: BatchConfig, session: aiohttp.ClientSession,
                  queues: dict[str, AdmissionQueue], pool: EnginePool,
-                 placer: Placer | None, slo: SloConfig) -> None:
+                 placer: Placer | None, slo: SloConfig,
+                 mix: dict[str, MixTracker] | None = None) -> None:
         self.store: JobStore | None = store
         self.cfg, self.session, self.queues = cfg, session, queues
-        self.pool, self.placer, self.slo = pool, placer, slo
+        self.pool, self.placer, self.slo, self.mix = pool, placer, slo, mix
         self._tpot_s = min(slo.target(p).tpot_s for p in PRIORITIES)
         self._ttft_targets = {p: slo.target(p).ttft_s for p in PRIORITIES}
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
@@ -285,7 +296,30 @@ class BatchRunner:
         now = time.monotonic()
         transit = sum(1 for m, at in self._sent.values() if m == model and now - at < TRANSIT_S)
         free = places - keep - sum(e.in_flight for e in engines) - depth["batch"] - transit
-        return max(0, min(free, self.cfg.queued_lines - depth["batch"] - transit))
+        prompt = self._prompt_tokens(model)
+        soon = [self._starts_soon(e, prompt) for e in engines]
+        starts = math.inf if None in soon else sum(map(bool, soon)) - depth["batch"] - transit
+        return max(0, int(min(free, starts, self.cfg.queued_lines - depth["batch"] - transit)))
+
+    def _prompt_tokens(self, model: str) -> int:
+        """The model's mean uncached prompt, tokens (:class:`limits.capacity.Mix`), or
+        :data:`DEFAULT_PROMPT_TOKENS` before any request finished."""
+        mix = self.mix.get(model) if self.mix is not None else None
+        seen = mix.mix() if mix is not None else None
+        return round(seen.uncached_tokens) if seen is not None else DEFAULT_PROMPT_TOKENS
+
+    def _starts_soon(self, engine: Engine, prompt_tokens: int) -> bool | None:
+        """Whether an interactive request of ``prompt_tokens`` sent to ``engine`` now
+        is predicted (``TTFT̂ + z σ``, the prefills queued there included) to start
+        within :data:`TTFT_SHARE` of the interactive TTFT target: then the engine may
+        take one more batch line (whose prefill would queue ahead of the next online
+        request on an FCFS engine). None for an engine whose TTFT fit is not trusted
+        (yet): the concurrency limits alone decide."""
+        lat = engine.latency
+        if lat is None or not lat.model.ttft_trusted:
+            return None
+        ttft = lat.predict_ttft(prompt_tokens).upper(lat.z)
+        return ttft <= TTFT_SHARE * self._ttft_targets["interactive"]
 
     def _limit(self, engine: Engine) -> int:
         """``engine``'s learned concurrency limit (:func:`concurrency_limit`); 1 until
