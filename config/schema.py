@@ -167,6 +167,47 @@ class SloConfig(_Strict):
         return getattr(self, priority)
 
 
+class BatchConfig(_Strict):
+    """The OpenAI Batch API (``/v1/files``, ``/v1/batches``; :mod:`batch`).
+
+    ``store_url``: ``sqlite://`` (the embedded default: ``<dir>/jobs.sqlite3`` and the
+    uploaded files under ``<dir>/files``), ``sqlite:///ABS/PATH.db``, or
+    ``postgresql://user@host:port/db`` (files in the database; every replica on the
+    same database shares the jobs). ``dir`` is relative to the working directory.
+    Limits default to OpenAI's (200 MB, 50,000 requests per file). Work is claimed
+    in leases of ``lease_ttl_s`` (renewed every third of it while a line runs): a
+    process that dies leaves its lines to be claimed again after at most that long.
+    """
+
+    enabled: bool = True
+    store_url: str = "sqlite://"
+    dir: str = ".sluice/batch"
+    max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024)
+    max_lines: int = Field(50_000, ge=1)
+    max_line_bytes: int = Field(1024 * 1024, ge=256, description="one JSONL line, bytes")
+    max_completion_window_s: float = Field(7 * 86400.0, gt=0)
+    lease_ttl_s: float = Field(30.0, gt=0, description="a claimed line's lease, s")
+    max_in_flight: int = Field(128, ge=1, description="lines one gateway process runs at once")
+    headroom: float = Field(
+        0.1, ge=0, lt=1, description="fraction of each model's engines' learned concurrency "
+        "limits kept free of batch lines for online requests (at least; more while the "
+        "online arrivals need it: BandDemand.urgent_free)")
+    queued_lines: int = Field(
+        4, ge=1, description="batch-band tickets kept waiting in a model's admission queue "
+        "(more are sent only as these are admitted: the batch takes capacity as it frees)")
+    max_attempts: int = Field(3, ge=1, description="tries of a line the engine fails (5xx)")
+    max_queue_wait_s: float = Field(
+        600.0, gt=0, description="how long one line may wait in the admission queue, s")
+    poll_interval_s: float = Field(0.5, gt=0, description="looking for work when idle, s")
+
+    @field_validator("store_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("sqlite://", "postgresql://", "postgres://")):
+            raise ValueError(f"must start with sqlite:// or postgresql://, got {v!r}")
+        return v
+
+
 class GatewayConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -197,6 +238,7 @@ class GatewayConfig(_Strict):
         "what the quota can hold), so generation never exceeds what was reserved")
     drain_grace_s: float = Field(30.0, ge=0)
     slo: SloConfig = SloConfig()
+    batch: BatchConfig = BatchConfig()
 
     @field_validator("admin_key_hashes")
     @classmethod
@@ -230,6 +272,9 @@ class TenantQuota(_Strict):
     weight: float = Field(1.0, gt=0)
     requests_per_min: int | None = Field(None, ge=1)
     tokens_per_min: int | None = Field(None, ge=1)
+    batch_tokens_per_min: int | None = Field(
+        None, ge=1, description="a separate tokens/min for the tenant's Batch API lines "
+        "(as OpenAI keeps batch limits apart); None: they count against tokens_per_min")
     max_concurrent: int | None = Field(None, ge=1)
     max_queue_wait_s: float | None = Field(None, gt=0)
     max_prompt_tokens: int | None = Field(None, ge=1)

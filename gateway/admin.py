@@ -14,7 +14,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.auth import hash_key, is_loopback, presented_key
-from gateway.keys import CONFIG, METRICS, STATS
+from gateway.keys import CONFIG, METRICS, RUNNER, STATS
 from gateway.metrics import GatewayMetrics
 from limits.outcome import Outcome, Rejected
 
@@ -43,7 +43,10 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 async def stats_handler(request: web.Request) -> web.Response:
     require_admin(request)
-    return web.json_response(request.app[STATS].snapshot())
+    data = request.app[STATS].snapshot()
+    if RUNNER in request.app:
+        data["batches"] = request.app[RUNNER].panel()
+    return web.json_response(data)
 
 
 def metrics_app(metrics: GatewayMetrics) -> web.Application:

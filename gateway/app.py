@@ -40,6 +40,7 @@ from engines.supervisor import Supervisor
 from gateway.access_log import log_access
 from gateway.admin import metrics_app, metrics_handler, require_admin, stats_handler
 from gateway.auth import TenantDirectory
+from gateway.batch_api import add_routes as add_batch_routes
 from gateway.dashboard import dashboard
 from gateway.director import Director
 from gateway.keys import (
@@ -224,6 +225,8 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
+    if cfg.gateway.batch.enabled:
+        add_batch_routes(app)
     return app
 
 

@@ -66,6 +66,22 @@ class TenantDirectory:
         digests = [(h.encode(), t) for t in cfg.tenants for h in t.api_key_hashes]
         self.cfg, self._digests = cfg, digests
 
+    def by_name(self, name: str) -> TenantQuota:
+        """The tenant called ``name`` (the anonymous one while ``allow_anonymous``):
+        the owner of a batch line the gateway sends itself.
+
+        Raises:
+            Rejected: ``Outcome.UNAUTHORIZED`` when no such tenant is configured
+                (any more).
+        """
+        cfg = self.cfg
+        if cfg.allow_anonymous and name == cfg.anonymous.name:
+            return cfg.anonymous
+        for tenant in cfg.tenants:
+            if tenant.name == name:
+                return tenant
+        raise Rejected(Outcome.UNAUTHORIZED, f"Tenant {name!r} is not configured.")
+
     def resolve(self, key: str | None, remote: str | None) -> TenantQuota:
         """Raises:
             Rejected: ``Outcome.UNAUTHORIZED`` (401) as described above.

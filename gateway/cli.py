@@ -7,6 +7,9 @@
 * ``sluice check-config FILE…``: validate files (kind from the name: ``gateway*``,
   ``engines*``, ``tenants*``, or ``--kind``); exit 1 with the errors.
 * ``sluice prepare-model [--cache-dir DIR]``: build the packaged model folder.
+* ``sluice capacity --url URL``: the capacity report of a running gateway.
+* ``sluice batches list|show ID|cancel ID --url URL [--key ADMIN_KEY] [--json]``: every
+  tenant's Batch API batches on a running gateway (``/admin/batches``).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ Stop with Ctrl-C (drains requests and stops the engines).
 async def _serve(cfg: Config, host: str, port: int, worker: WorkerRole | None) -> None:
     from gateway.app import create_app
     from gateway.errors import GatewayRunner
-    from gateway.keys import SUPERVISOR
+    from gateway.keys import RUNNER, SUPERVISOR
 
     app = create_app(cfg, worker=worker)
     runner = GatewayRunner(app, handler_cancellation=True, access_log=None,
@@ -74,6 +77,9 @@ async def _serve(cfg: Config, host: str, port: int, worker: WorkerRole | None) -
     try:
         site = web.TCPSite(runner, host, port, reuse_port=worker is not None)
         await site.start()
+        if RUNNER in app:  # batch lines go through this process's own address
+            local = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+            app[RUNNER].serve_at(f"http://{local}:{runner.addresses[0][1]}")
         who = f"worker {worker.index} (pid {os.getpid()})" if worker else "Sluice"
         print(f"{who} listening on http://{host}:{port}; starting engines…", flush=True)
         ready = asyncio.create_task(app[SUPERVISOR].wait_ready(cfg.engines.supervisor.startup_grace_s))
@@ -217,6 +223,58 @@ def capacity_text(m: dict) -> str:
     return "\n".join(lines)
 
 
+def _admin(method: str, url: str, path: str, key: str | None,
+           params: dict[str, str] | None = None) -> dict | None:
+    """One admin request; its JSON, or None after printing why it failed."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        r = httpx.request(method, url.rstrip("/") + path, params=params, headers=headers,
+                          timeout=10)
+    except httpx.HTTPError as e:
+        print(f"{url}: {e}", file=sys.stderr)
+        return None
+    if r.status_code != 200:
+        print(f"{url}: HTTP {r.status_code}: {r.text}", file=sys.stderr)
+        return None
+    return r.json()
+
+
+def _batch_line(b: dict) -> str:
+    c = b["request_counts"]
+    return (f"{b['id']:32} {b.get('tenant', ''):12} {b['status']:11} "
+            f"{c['completed']:>6}/{c['total']:<6} failed {c['failed']:<5} "
+            f"{b['endpoint']}")
+
+
+def cmd_batches(args: argparse.Namespace) -> int:
+    """``sluice batches list|show|cancel``: every tenant's batches (operators; the
+    admin key as ``sluice capacity``)."""
+    if args.action == "list":
+        params = {"limit": str(args.limit)}
+        data = _admin("GET", args.url, "/admin/batches", args.key, params)
+        if data is None:
+            return 1
+        if args.json:
+            print(json.dumps(data, indent=2))
+        else:
+            for b in data["data"]:
+                print(_batch_line(b))
+            if not data["data"]:
+                print("no batches")
+        return 0
+    if not args.id:
+        print(f"sluice batches {args.action} needs a batch id", file=sys.stderr)
+        return 1
+    path = f"/admin/batches/{args.id}" + ("/cancel" if args.action == "cancel" else "")
+    data = _admin("POST" if args.action == "cancel" else "GET", args.url, path, args.key)
+    if data is None:
+        return 1
+    print(json.dumps(data, indent=2) if args.json or args.action == "show" else _batch_line(data))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__.splitlines()[0])
@@ -247,6 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     cap.add_argument("--key", help="admin key")
     cap.add_argument("--json", action="store_true", help="print the JSON report")
     cap.set_defaults(func=cmd_capacity)
+    bat = sub.add_parser("batches", help="list, show or cancel a running gateway's batches")
+    bat.add_argument("action", choices=["list", "show", "cancel"])
+    bat.add_argument("id", nargs="?", help="batch id (show, cancel)")
+    bat.add_argument("--url", required=True, help="the gateway, e.g. http://127.0.0.1:8000")
+    bat.add_argument("--key", help="admin key")
+    bat.add_argument("--limit", type=int, default=20, help="batches listed (1-100)")
+    bat.add_argument("--json", action="store_true", help="print the JSON")
+    bat.set_defaults(func=cmd_batches)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

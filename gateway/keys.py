@@ -16,6 +16,7 @@ from engines.pool import EnginePool
 from engines.scheduler import Scheduler
 from engines.supervisor import Supervisor
 from gateway.auth import TenantDirectory
+from gateway.batch_runner import BatchRunner
 from gateway.metrics import GatewayMetrics
 from gateway.record import Observer, RequestRecord
 from gateway.reload import ConfigReloader
@@ -56,6 +57,8 @@ RELOADER = web.AppKey("reloader", ConfigReloader | None)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 DIRECTOR: web.AppKey[Director] = web.AppKey("director")
+#: this process's Batch API runner and its job store (with ``batch.enabled``)
+RUNNER = web.AppKey("batch_runner", BatchRunner)
 
 # per-request keys
 REQUEST_ID = web.RequestKey("request_id", str)

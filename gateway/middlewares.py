@@ -21,6 +21,7 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind
 
 from gateway.auth import presented_key
+from gateway.batch_runner import INTERNAL_HEADER, TENANT_HEADER, batch_tenant, is_internal
 from gateway.errors import error_response
 from gateway.keys import CLOCK, CONFIG, OBSERVERS, RECORD, REQUEST_ID, SPANS, TENANT, TENANTS
 from gateway.record import RequestRecord
@@ -147,7 +148,16 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     """Resolve the tenant for ``/v1/`` paths; other paths are public or check their
     own (admin) key."""
     if request.path.startswith("/v1/"):
-        tenant = request.app[TENANTS].resolve(presented_key(request), request.remote)
+        internal = request.headers.get(INTERNAL_HEADER)
+        if internal is None:
+            tenant = request.app[TENANTS].resolve(presented_key(request), request.remote)
+        elif is_internal(internal):
+            # a batch line the gateway sends itself (gateway.batch_runner), to the
+            # address it listens on (loopback, or the host's own address)
+            tenant = batch_tenant(request.app[TENANTS].by_name(
+                request.headers.get(TENANT_HEADER, "")), request.app[CONFIG].gateway.batch)
+        else:
+            raise Rejected(Outcome.UNAUTHORIZED, "Invalid internal credentials.")
         request[TENANT] = tenant
         request[RECORD].tenant = tenant.name
     return await handler(request)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config.schema import Config
+from gateway.batch_runner import internal_secret
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ def run_workers(cfg: Config, serve_args: list[str], workers: int, *,
     Returns:
         The exit status: 0 after a signal with every worker exited cleanly, else 1.
     """
+    internal_secret()  # the workers inherit one secret for their batch lines
     try:
         for note in check_sharing(cfg, workers):
             log.warning("--workers %d: %s", workers, note)

@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "faults": "loadtest.faults",
     "soak": "loadtest.soak",
     "burst": "loadtest.burst",
+    "batch": "loadtest.batch",
 }
 
 

@@ -1,7 +1,7 @@
 """The import rules of docs/architecture.md ("Packages", "Import rules"), checked on
 the source: every module imports on its own (no cycle hidden by import order), no
 import cycle between modules, and the package graph ``gateway`` → ``limits``,
-``cache``, ``engines`` → ``config`` with its named exceptions."""
+``cache``, ``engines``, ``batch`` → ``config`` with its named exceptions."""
 
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("gateway", "limits", "cache", "engines", "config")
+PACKAGES = ("gateway", "limits", "cache", "engines", "config", "batch")
 
 #: What each package may import of the project (``loadtest`` may import anything and
 #: is not listed; nothing here may import it: only tests and ``loadtest`` itself do).
 MAY_IMPORT = {
-    "gateway": {"gateway", "limits", "cache", "engines", "config"},
+    "gateway": {"gateway", "limits", "cache", "engines", "config", "batch"},
     "limits": {"limits", "config"},
     "cache": {"cache", "config"},
     "engines": {"engines", "config"},
     "config": {"config"},
+    "batch": {"batch", "config"},
 }
 #: The modules of ``limits`` every package may import: the interfaces (the clock, the
 #: load and counter records) and the one clock everybody reads.
