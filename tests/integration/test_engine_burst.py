@@ -81,11 +81,13 @@ async def test_a_256_client_burst_is_held_at_the_engines_knee(tmp_path) -> None:
     at_best = [(f, lim) for f, lim, be in samples if be == 1.0]
     assert len(at_best) >= len(samples) // 2
     # in flight never above the limit learned so far (a knee that falls leaves the
-    # requests already admitted under it to finish)
+    # requests already admitted under it to finish); the two gauges are read in two
+    # scrapes and the smoothed knee moves between an admission and the next scrape,
+    # so allow it a tenth (the 256 clients would be far above an unenforced knee)
     highest = 0.0
     for f, lim in at_best:
         highest = max(highest, lim)
-        assert f <= highest, (f, lim, at_best)
+        assert f <= 1.1 * highest + 1, (f, lim, at_best)
     knee = highest
     # the profile's decode alone puts it at 0.9 × 114 / (0.1 × 10.5) ≈ 98, its
     # prefill per sequence lower: well under the 256 clients
