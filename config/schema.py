@@ -109,6 +109,10 @@ class CacheConfig(_Strict):
     max_bytes: int = Field(256 * 1024 * 1024, ge=1)
     default_ttl_s: float = Field(3600.0, gt=0)
     semantic: SemanticCacheConfig = SemanticCacheConfig()
+    #: how long the Responses API conversation state is kept (``previous_response_id``),
+    #: s; it lives in ``store_url`` (its own LRU of ``max_bytes`` for ``memory://``)
+    #: whether or not ``enabled``
+    responses_ttl_s: float = Field(86400.0, gt=0)
 
 
 class ObservabilityConfig(_Strict):

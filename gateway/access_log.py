@@ -1,6 +1,6 @@
 """One structured JSON line per request on the ``sluice.access`` logger.
 
-Fields: ``request_id``, ``tenant``, ``model``, ``engine``, ``status``, ``outcome``,
+Fields: ``request_id``, ``path``, ``endpoint``, ``tenant``, ``model``, ``engine``, ``status``, ``outcome``,
 ``reason``, ``queue_ms``, ``ttft_ms``, ``duration_ms``, ``tokens_in``, ``tokens_out``,
 ``cache``, ``degraded`` — never a prompt, an answer or a key.
 """
@@ -23,7 +23,8 @@ def _ms(seconds: float | None) -> float | None:
 def access_line(rec: RequestRecord) -> str:
     """The JSON line for ``rec`` (compact, UTF-8)."""
     return msgspec.json.encode({
-        "request_id": rec.request_id, "path": rec.path, "tenant": rec.tenant,
+        "request_id": rec.request_id, "path": rec.path, "endpoint": rec.endpoint,
+        "tenant": rec.tenant,
         "model": rec.model, "engine": rec.engine, "status": rec.status,
         "outcome": rec.outcome.value, "reason": rec.reason, "queue_ms": _ms(rec.queue_s),
         "ttft_ms": _ms(rec.ttft_s), "duration_ms": _ms(rec.duration_s),

@@ -12,23 +12,32 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import math
 from collections.abc import Callable
 
 from aiohttp import web
 from opentelemetry.trace import SpanKind
 
+from cache.conversations import ResponseStore, input_items
 from cache.policy import request_cacheable
 from cache.replay import as_json, as_sse
-from cache.service import CacheHit, CacheRequest, ResponseCache
+from cache.service import STORE_ERRORS, CacheHit, CacheRequest, ResponseCache
+from cache.stores import MemoryByteStore
 from config.schema import PRIORITIES, Config, DegradationConfig, EnginesConfig, TenantQuota
 from engines.pool import Engine, EnginePool
-from engines.prompt import PromptBlocks, PromptInput, cache_salt
+from engines.prompt import PromptBlocks, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
 from gateway.capacity import CapacityReport
 from gateway.disagg import Disaggregator, PrefillLeg
 from gateway.keys import RECORD, TENANT
-from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_request
+from gateway.openai_api import (
+    TOKEN_FREE,
+    Endpoint,
+    InferenceRequest,
+    parse_json,
+    parse_request,
+)
 from gateway.placement import Need, Placement, Placer
 from gateway.prefill_queue import LegShed
 from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
@@ -42,6 +51,11 @@ from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter, Reservation, Sizing, reservation_size
 from limits.saturation import SaturationDetector
 
+log = logging.getLogger("sluice.director")
+
+#: Endpoints the response cache serves (the others' answers are sampled text whose
+#: streams it cannot replay, or cost nothing to recompute).
+CACHED_ENDPOINTS = frozenset({"chat", "completions", "embeddings"})
 #: Request fields whose output a streamed answer, reassembled, would not keep
 #: (``StreamSummary.to_response`` rebuilds text only): such answers are not cached.
 STREAM_LOSSY = frozenset({"logprobs", "top_logprobs", "tools", "functions"})
@@ -115,13 +129,16 @@ class Director:
         clock: monotonic time, s; the only clock the request path reads.
         spans: tracing (disabled when None).
         prompts: tokenizer and block hashes per model (built from ``cfg`` when None).
+        responses: the Responses API's stored conversations (``previous_response_id``);
+            None: in this process's memory.
     """
 
     def __init__(self, *, cfg: Config, pool: EnginePool, scheduler: Scheduler,
                  client: EngineClient, limiter: RateLimiter,
                  queues: dict[str, AdmissionQueue[Placement]], detector: SaturationDetector,
                  cache: ResponseCache | None, clock: Clock, spans: Spans | None = None,
-                 prompts: PromptBlocks | None = None) -> None:
+                 prompts: PromptBlocks | None = None,
+                 responses: ResponseStore | None = None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.client = client
@@ -154,6 +171,8 @@ class Director:
         self._salted = _salted_models(cfg.engines)
         self.default_output_tokens = cfg.gateway.default_output_tokens
         self._background: set[asyncio.Task[object]] = set()
+        self.responses = responses or ResponseStore(
+            MemoryByteStore(cfg.gateway.cache.max_bytes, clock), cfg.gateway.cache.responses_ttl_s)
 
     # ------------------------------------------------------------------ reload
 
@@ -236,7 +255,8 @@ class Director:
     def _output_cap(self, req: InferenceRequest) -> int:
         """Tokens ``req`` may generate per sequence: its output cap, else the
         gateway's ``default_output_tokens``."""
-        return req.max_output_tokens or self.default_output_tokens
+        cap = req.max_output_tokens
+        return self.default_output_tokens if cap is None else cap
 
     def _sizing(self, tenant: TenantQuota, req: InferenceRequest) -> Sizing:
         return reservation_size(
@@ -248,7 +268,8 @@ class Director:
         """Tokenize the prompt once (off the event loop for a real tokenizer): its
         exact token count, where the model's tokenizer is known, and its blocks."""
         salt = req.body.get("cache_salt") if req.model in self._salted else None
-        m = await self.prompts.measure(req.model, PromptInput.from_body(req.body), salt)
+        assert req.prompt is not None
+        m = await self.prompts.measure(req.model, req.prompt, salt)
         req.measured(m.tokens, m.blocks)
 
     # ------------------------------------------------------------------ placement
@@ -308,9 +329,12 @@ class Director:
         started = self.clock.now()
         tenant = request[TENANT]
         rec = request[RECORD]
-        rec.inference, rec.priority = True, tenant.priority
+        rec.inference, rec.priority, rec.endpoint = True, tenant.priority, endpoint
         try:
-            req = parse_request(endpoint, parse_json(await self._read_body(request)))
+            body = parse_json(await self._read_body(request))
+            if endpoint == "responses":
+                body = await self._expand_conversation(tenant, body)
+            req = parse_request(endpoint, body)
             rec.model, rec.stream = req.model, req.stream
             self._check_model(tenant, req)
             if req.model in self._salted:  # before the cache key: lookup and store agree
@@ -327,7 +351,7 @@ class Director:
                 if hit is not None:
                     async with await self._reserve(tenant, 0, rec, concurrency=False):
                         return await self._answer_from_cache(request, req, hit, rec, started)
-            size = self._sizing(tenant, req)
+            size = self._sizing(tenant, req) if req.endpoint not in TOKEN_FREE else Sizing(0, 0)
             if req.max_output_tokens is None and tenant.tokens_per_min is not None:
                 # the quota holds only if the engine stops where the reservation does
                 req.set_output_cap(size.output // req.sequences)
@@ -345,6 +369,44 @@ class Director:
         except asyncio.CancelledError:
             rec.outcome = Outcome.CLIENT_DISCONNECTED
             raise
+    async def _expand_conversation(self, tenant: TenantQuota,
+                                   body: dict) -> dict:
+        """A Responses body with ``previous_response_id`` replaced by the stored
+        conversation it names, prepended to its ``input`` (the engine is sent the
+        whole conversation; :mod:`cache.conversations`).
+
+        Raises:
+            Rejected: 404 ``not_found`` when the tenant has no such stored response;
+                503 when the store cannot be read.
+        """
+        previous = body.get("previous_response_id")
+        if not isinstance(previous, str) or not previous or len(previous) > 256:
+            return body  # absent, or the body's validation names it
+        try:
+            history = await self.responses.history(tenant.namespace, previous)
+        except STORE_ERRORS as e:
+            raise Rejected(Outcome.OVERLOADED, "The conversation store is unavailable; retry "
+                           "shortly.", retry_after_s=NO_ENGINE_RETRY_S,
+                           reason="conversation_store") from e
+        if history is None:
+            raise Rejected(Outcome.NOT_FOUND, f"Previous response with id '{previous}' not "
+                           "found.", param="previous_response_id")
+        out = {k: v for k, v in body.items() if k != "previous_response_id"}
+        out["input"] = [*history, *input_items(body.get("input"))]
+        return out
+
+    async def _remember(self, tenant: TenantQuota, req: InferenceRequest,
+                        answer: dict) -> None:
+        """Keep a finished Responses answer for follow-ups (unless ``store: false``);
+        a store failure is logged, the answer still goes out."""
+        if req.body.get("store") is False:
+            return
+        try:
+            await self.responses.put(tenant.namespace, input_items(req.body.get("input")),
+                                     answer)
+        except STORE_ERRORS as e:
+            log.warning("response %s not stored: %r", answer.get("id"), e)
+
     async def _read_body(self, request: web.Request) -> bytes:
         """The request body, which must arrive within ``timeouts.request_body_s``.
 
@@ -372,7 +434,8 @@ class Director:
     def _cache_request(self, request: web.Request, tenant: TenantQuota,
                        req: InferenceRequest) -> CacheRequest | None:
         """The cache's view of ``req``, or None when the cache is off."""
-        if self.cache is None or not self.cache.cfg.enabled:
+        if self.cache is None or not self.cache.cfg.enabled \
+                or req.endpoint not in CACHED_ENDPOINTS:
             return None
         no_cache, no_store = _cache_control(request)
         return CacheRequest(namespace=tenant.namespace, tenant=tenant.cache,
@@ -383,7 +446,7 @@ class Director:
         """Store a finished answer off the response path (the semantic cache embeds
         the question, ~20 ms on CPU)."""
         assert self.cache is not None
-        if creq.no_store or not request_cacheable(req.body, creq.tenant):
+        if creq.no_store or not request_cacheable(req.body, creq.tenant, req.endpoint):
             return  # what ResponseCache.store would decide, without a task per request
         final = CacheRequest(namespace=creq.namespace, tenant=creq.tenant,
                              endpoint=creq.endpoint, model=req.model, body=req.body,
@@ -544,14 +607,17 @@ class Director:
             result = await self.client.send(
                 engine, req, request, headers, upstream,
                 functools.partial(_call_all, callbacks) if callbacks else None,
-                priority=PRIORITIES.index(tenant.priority) if engine.priority_scheduling else None)
+                priority=PRIORITIES.index(tenant.priority) if engine.priority_scheduling else None,
+                on_answer=functools.partial(self._remember, tenant, req)
+                if req.endpoint == "responses" else None)
         if ledger is not None:
             rec.predicted_ttft_s = flight.predicted_ttft_s
             ok = result.outcome is Outcome.OK
             ledger.finished(flight, completion_tokens=result.completion_tokens,
                             prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
-                            ok=ok and prefilled is None, streamed=req.stream)
-            if ok:
+                            ok=ok and prefilled is None and req.generates,
+                            streamed=req.stream)
+            if ok and req.generates:
                 uncached = flight.uncached_tokens if result.cached_tokens is None \
                     else max(0, result.prompt_tokens - result.cached_tokens)
                 mix = self.mix.get(engine.model)  # None: the model left with a reload

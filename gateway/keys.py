@@ -17,6 +17,7 @@ from engines.scheduler import Scheduler
 from engines.supervisor import Supervisor
 from gateway.auth import TenantDirectory
 from gateway.metrics import GatewayMetrics
+from gateway.models import ModelCards
 from gateway.record import Observer, RequestRecord
 from gateway.reload import ConfigReloader
 from gateway.stats import StatsFeed
@@ -56,6 +57,8 @@ RELOADER = web.AppKey("reloader", ConfigReloader | None)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 DIRECTOR: web.AppKey[Director] = web.AppKey("director")
+#: ``/v1/models`` entries as the engines describe their models
+MODEL_CARDS = web.AppKey("model_cards", ModelCards)
 
 # per-request keys
 REQUEST_ID = web.RequestKey("request_id", str)

@@ -76,6 +76,17 @@ def _loads(payload: bytes) -> Any:
     return json.loads(payload)
 
 
+def parse_event(payload: bytes) -> dict[str, Any] | None:
+    """An event payload's JSON object, or None (``[DONE]``, empty, not an object)."""
+    if not payload or payload == b"[DONE]":
+        return None
+    try:
+        obj = _loads(payload)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 @dataclass
 class StreamSummary:
     """What was seen in a stream so far.
