@@ -291,7 +291,8 @@ class EngineSpec(_Strict):
     model: str = Field(..., description="served model name clients ask for")
     kind: Literal["vllm", "llamacpp", "sim", "external"] = "vllm"
     dialect: Literal["vllm", "llamacpp", "sglang", "tgi", "trtllm", "openai"] | None = None
-    model_path: str | None = Field(None, description="path or 'packaged:gemma3-270m'")
+    model_path: str | None = Field(None, description="path, 'packaged:gemma3-270m' or "
+                                   "'packaged:all-minilm-l6-v2'")
     url: str | None = None
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=1, le=65535)
@@ -346,6 +347,14 @@ class EngineSpec(_Strict):
 
         launched = self.kind != "external"
         return launched and "cache_salt" in KINDS[self.engine_dialect].accepts
+
+    @property
+    def pooling(self) -> bool:
+        """The engine runs vLLM's pooling runner (``--runner pooling`` in ``args``): it
+        serves embeddings, generates nothing and keeps no prefix cache to publish."""
+        args = self.args
+        return "--runner=pooling" in args or any(
+            a == "--runner" and args[i + 1:i + 2] == ["pooling"] for i, a in enumerate(args))
 
     @property
     def tokenizer_source(self) -> str:

@@ -41,7 +41,14 @@ from config.schema import FALLBACK_TOKENIZER, EnginesConfig, EngineSpec
 from engines.blocks import chain_block_hashes, fallback_tokenize
 from engines.interfaces import PromptEncoder
 from engines.pool import EnginePool
-from engines.prepare import MODEL_DIRNAME, PACKAGED_GEMMA, default_cache_dir, is_prepared
+from engines.prepare import (
+    MODEL_DIRNAME,
+    PACKAGED_GEMMA,
+    PACKAGED_MINILM,
+    default_cache_dir,
+    is_prepared,
+    resolve_model_path,
+)
 from engines.token_cache import DEFAULT_MAX_TOKENS, TurnTokenCache, turn_markers
 
 log = logging.getLogger(__name__)
@@ -208,6 +215,8 @@ def local_model_folder(spec: EngineSpec, cache_dir: Path | None = None) -> Path 
     if source == PACKAGED_GEMMA:
         folder = (cache_dir or default_cache_dir()) / MODEL_DIRNAME
         return folder if is_prepared(folder) else None
+    if source == PACKAGED_MINILM:
+        source = resolve_model_path(source)
     folder = Path(source).expanduser()
     return folder if (folder / "tokenizer.json").is_file() else None
 

@@ -231,7 +231,7 @@ class Supervisor:
             extra: list[str] = []
             if addresses:
                 engine.kv_events = addresses[engine_id].kv_events
-            elif events and spec.kind in KV_EVENT_KINDS:
+            elif events and spec.kind in KV_EVENT_KINDS and not spec.pooling:
                 engine.kv_events, extra = kv_events_flag(engine_id, spec.host, self._taken)
             elif events and spec.kv_events is not None:
                 ev = spec.kv_events

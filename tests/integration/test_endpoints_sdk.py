@@ -9,7 +9,6 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-import aiohttp
 import anthropic
 import openai
 import pytest
@@ -291,7 +290,6 @@ async def test_stream_without_include_usage_keeps_fingerprint(engines) -> None:
 async def test_unknown_response_paths_are_404_in_openai_shape(engines) -> None:
     [engine] = await engines(1)
     async with run_gateway(make_config([engine], tenants=TENANTS)) as gw:
-        async with aiohttp.ClientSession() as s:
-            r = await s.get(gw.url + "/v1/responses/resp_x",
-                            headers={"Authorization": "Bearer key-acme"})
-            assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+        r = await gw.session.get(gw.url + "/v1/responses/resp_x",
+                                 headers={"Authorization": "Bearer key-acme"})
+        assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
