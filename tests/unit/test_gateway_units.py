@@ -134,7 +134,7 @@ def test_tenant_directory():
 def test_shipped_config_is_valid():
     cfg = load_config()
     assert cfg.gateway.max_body_bytes == 8 * 1024 * 1024
-    assert cfg.engines.model_names() == ["gemma3-270m"]
+    assert cfg.engines.model_names() == ["gemma3-270m", "all-minilm-l6-v2"]
     assert cfg.tenants.allow_anonymous
 
 
