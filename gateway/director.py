@@ -281,7 +281,7 @@ class Director:
                              blocks=req.blocks, block_size=self.prompts.block_size(req.model),
                              session_id=request.headers.get("x-session-id") or None)
         return Need(sched, tenant.priority, self._kv_tokens(req), arrived=arrived,
-                    splittable=req.sequences == 1,
+                    splittable=req.sequences == 1 and req.endpoint in ("chat", "completions"),
                     output_tokens=self._output_cap(req))
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
