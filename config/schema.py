@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from config.plugins import plugin_params
+
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 Priority = Literal["interactive", "standard", "batch"]
@@ -338,17 +340,6 @@ class EngineSpec(_Strict):
         return self.dialect or ("llamacpp" if self.kind == "llamacpp" else "vllm")
 
     @property
-    def accepts_cache_salt(self) -> bool:
-        """Whether requests to this engine may carry ``cache_salt`` (vLLM ≥ 0.9 and
-        the simulator in vLLM's dialect do; an ``external`` server is not assumed to)."""
-        if self.cache_salt is not None:
-            return self.cache_salt
-        from engines.kinds import KINDS  # the dialect's accepted fields
-
-        launched = self.kind != "external"
-        return launched and "cache_salt" in KINDS[self.engine_dialect].accepts
-
-    @property
     def pooling(self) -> bool:
         """The engine runs vLLM's pooling runner (``--runner pooling`` in ``args``): it
         serves embeddings, generates nothing and keeps no prefix cache to publish."""
@@ -401,8 +392,9 @@ class ModelConfig(_Strict):
 
 class PluginConfig(_Strict):
     """A scheduler plugin of one role, chosen by its kebab-case ``type`` among the
-    plugins registered for the role (:mod:`engines.plugins`); ``params`` are checked
-    against the plugin's ``Params`` model, and stored with its defaults filled in.
+    plugins registered for the role (:mod:`config.plugins`; implemented in
+    :mod:`engines.plugins`); ``params`` are checked against the type's ``Params``
+    model, and stored with its defaults filled in.
     An unknown type is an error at ``….type`` listing the valid ones; a bad
     parameter, one at ``….params.<name>``. Use :class:`FilterConfig`,
     :class:`ScorerConfig` or :class:`PickerConfig`."""
@@ -414,9 +406,7 @@ class PluginConfig(_Strict):
     @field_validator("type")
     @classmethod
     def _known_type(cls, v: str) -> str:
-        from engines.plugins import plugin_class  # engines.plugins imports this module
-
-        plugin_class(cls.role, v)
+        plugin_params(cls.role, v)
         return v
 
     @field_validator("params")
@@ -424,9 +414,7 @@ class PluginConfig(_Strict):
     def _typed_params(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         if "type" not in info.data:  # the type is already reported as unknown
             return v
-        from engines.plugins import plugin_class
-
-        params: BaseModel = plugin_class(cls.role, info.data["type"]).Params.model_validate(v)
+        params: BaseModel = plugin_params(cls.role, info.data["type"]).model_validate(v)
         return params.model_dump()
 
 

@@ -4,8 +4,9 @@ Plugins are pure: synchronous, no I/O, no waiting. Everything they need is in th
 request and the :class:`~engines.pool.Engine` views (state, in-flight count, latest
 metrics snapshot), plus ``now`` from the caller's clock for freshness checks.
 Implementations are chosen by a kebab-case ``type`` through
-:func:`engines.plugins.plugin_class`; each declares its parameters as a pydantic
-model ``Params`` and is built from the validated YAML (:mod:`engines.plugins`).
+:func:`engines.plugins.plugin_class`; each names its parameters' pydantic model as
+``Params`` (registered for its type in :mod:`config.plugins`) and is built from the
+validated YAML (:mod:`engines.plugins`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Scheduler plugins and the explicit registry that builds them from YAML.
 
 Each role has an immutable mapping from the kebab-case ``type`` used in
-``engines.yaml`` to a class. Every class declares its typed parameters as a nested
-pydantic model ``Params`` (:class:`NoParams` when it has none); the configuration
-schema validates ``type`` and ``params`` against this registry when the file loads
-(:func:`plugin_class`), and :func:`build_filter`, :func:`build_scorer` and
+``engines.yaml`` to a class. Every class names its typed parameters as ``Params``, the
+pydantic model :mod:`config.plugins` registers for its type (:class:`NoParams` when it
+has none); the configuration schema validates ``type`` and ``params`` against that
+registry when the file loads, and :func:`build_filter`, :func:`build_scorer` and
 :func:`build_picker` construct the plugin with ``cls(params=Params(**params))``, or
 ``cls()`` when it has none (pickers also get the scheduler's ``rng``). To add a plugin, write a class that
-satisfies the protocol in :mod:`engines.interfaces` and add it to the mapping of its
-role below.
+satisfies the protocol in :mod:`engines.interfaces`, add it to the mapping of its
+role below and its type (with its ``Params``) to :mod:`config.plugins`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from config.plugins import KvWatermarkParams, LoadGuardParams, MaxScoreParams, NoParams
 from config.schema import PluginConfig
 from engines.interfaces import Filter, Picker, SchedRequest, Scorer
 from engines.pool import Engine
@@ -35,13 +34,6 @@ def engine_load(engine: Engine) -> int:
     m = engine.metrics
     others = m.num_running + m.num_waiting - engine.in_flight_at_metrics if m else 0
     return engine.in_flight + max(0, others)
-
-
-class NoParams(BaseModel):
-    """Parameters of a plugin that takes none; any key is an error. Plugins with
-    parameters subclass it (unknown keys stay errors, values are immutable)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 # --------------------------------------------------------------------------- filters
@@ -60,8 +52,7 @@ class KvWatermark:
     0.8 by default).
     """
 
-    class Params(NoParams):
-        watermark: float = Field(0.8, gt=0, le=1, description="KV-cache usage fraction 0-1")
+    Params = KvWatermarkParams
 
     def __init__(self, params: Params | None = None) -> None:
         self.watermark = (params or self.Params()).watermark
@@ -94,9 +85,7 @@ class LoadGuard:
         rel_threshold: allowed excess as a fraction of the least load (default 0.25).
     """
 
-    class Params(NoParams):
-        abs_threshold: float = Field(4.0, ge=0, description="requests")
-        rel_threshold: float = Field(0.25, ge=0, description="fraction of the least load")
+    Params = LoadGuardParams
 
     def __init__(self, params: Params | None = None) -> None:
         params = params or self.Params()
@@ -277,8 +266,7 @@ class MaxScore:
     """Picks the engine with the highest total score; ties (totals within
     ``tolerance``, default 1e-9) are broken uniformly at random with ``rng``."""
 
-    class Params(NoParams):
-        tolerance: float = Field(1e-9, ge=0, description="score difference counted as a tie")
+    Params = MaxScoreParams
 
     def __init__(self, rng: random.Random, params: Params | None = None) -> None:
         self.rng = rng

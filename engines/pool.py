@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from engines.breaker import CircuitBreaker
 from engines.kv_events import EventsEndpoint
-from limits.engine_latency import EngineCounters, EngineLatency
+from limits.engine_latency import EngineLatency
+from limits.interfaces import EngineCounters
 
 
 class EngineState(enum.Enum):

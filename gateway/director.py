@@ -1,6 +1,5 @@
-"""The per-request pipeline (docs/architecture.md, "One request"): parse → tenant checks →
-cache lookup → rate limit → admission (queue, degradation, shedding) → schedule →
-proxy (retrying on another engine only before the first byte) → finish.
+"""The per-request pipeline: orchestrates the steps of docs/architecture.md, "One
+request", each of which is owned by another module.
 
 Everything a request acquires (rate-limit reservation, concurrency slot, engine lease
 and its promised KV blocks) is held by an ``async with`` and released exactly once,
@@ -25,6 +24,7 @@ from cache.replay import as_json, as_sse
 from cache.service import STORE_ERRORS, CacheHit, CacheRequest, ResponseCache
 from cache.stores import MemoryByteStore
 from config.schema import PRIORITIES, Config, DegradationConfig, EnginesConfig, TenantQuota
+from engines.kinds import accepts_cache_salt
 from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
@@ -100,7 +100,7 @@ def _salted_models(engines: EnginesConfig) -> set[str]:
     """Models whose every engine accepts vLLM's ``cache_salt`` (when enabled)."""
     return {m for m in engines.model_names()
             if engines.scheduler.prefix.cache_salt
-            and all(s.accepts_cache_salt for s in engines.engines if s.model == m)}
+            and all(accepts_cache_salt(s) for s in engines.engines if s.model == m)}
 
 
 def _gone(model: str) -> Rejected:

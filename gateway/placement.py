@@ -34,7 +34,8 @@ from engines.plugins import engine_load
 from engines.pool import Engine, EngineLease, EnginePool
 from engines.scheduler import SchedRequest, Scheduler
 from gateway.disagg import Choice, Disaggregator, role, serves_whole
-from limits.engine_latency import BandDemand, EngineLatency, Flight
+from limits.band_demand import BandDemand
+from limits.engine_latency import EngineLatency, Flight
 from limits.gradient import GradientLimiter
 from limits.interfaces import Clock
 from limits.latency_model import LatencyModel
@@ -108,7 +109,7 @@ class Need:
             connector protocol carries one).
         output_tokens: its output cap (or the default one), tokens per sequence; 0:
             not known. Prices its predicted time on an engine (the urgent bands'
-            room, :class:`~limits.engine_latency.BandDemand`).
+            room, :class:`~limits.band_demand.BandDemand`).
         arrived: clock time it reached the gateway, s (its TTFT target counts from
             there); None: no SLO check.
     """

@@ -1,102 +1,11 @@
-"""SLO-driven admission per engine: the gateway's ledger of one engine's requests, its
-fitted :class:`~limits.latency_model.LatencyModel`, and the decision whether the engine
-may take one more request.
+"""One engine's SLO ledger: the requests in flight there, its fitted
+:class:`~limits.latency_model.LatencyModel` and fallback limiter, and the pure decision
+(:func:`decide`) whether it may take one more request.
 
-The decision (:func:`decide`, pure): an engine takes a request when
-
-1. the predicted TTFT — the engine's uncached prefill tokens not yet computed plus
-   the request's own uncached tokens, at the sequences decoding there now — plus
-   ``z`` standard deviations fits the request's remaining TTFT budget (its band's
-   target less the time it already waited); a request whose TTFT̂ misses even with
-   no prefill queued ahead of it is held until an engine has none queued (it gets
-   the best service there is rather than never being admitted). The rule needs a
-   TTFT fit of its own (:attr:`LatencyModel.ttft_trusted`): the prior is only an
-   order of magnitude (1 ms per prompt token, where a GPU takes a tenth of that and
-   this machine's CPU ten times as much), and holding a cold engine's burst to one
-   prefill at a time on its word would serialise what the engine batches (at best
-   effort, below, it applies before); and
-2. the predicted TPOT at one more request in flight — plus the room kept for more
-   urgent bands (below) — plus ``z`` σ, stays within the tightest TPOT target among
-   the requests already running there and the request's own; an engine with nothing
-   in flight always qualifies. A burst above that knee passes too when the long-run
-   load is below it: when the engine's expected occupancy by Little's law
-   (``sustained``: the request's band and the more urgent ones, which the others
-   yield to; the arrivals counted there include this request) meets the rule, and
-   TPOT̂ (mean) at one more request in flight now meets the target. A request's TPOT
-   is the average over its decode of a batch that returns to the sustained level,
-   so a burst the engines would batch within their SLO is not held at the gateway;
-   the urgent bands burst in the same way, so no room is kept for them here. Under
-   sustained overload the occupancy exceeds the knee and the margin applies.
-
-Room for more urgent bands (``reserve``): under overload a request of a less urgent
-band takes a place only while the fleet keeps enough places free for the urgent bands
-that one of their requests rarely waits for a place past its slack
-(:meth:`BandDemand.urgent_free`, an M/M/1 waiting-time tail); the engine's share of
-that is what the fleet's other free places do not cover. The queue already serves
-the urgent bands first; this keeps them from waiting for a whole generation to end.
-This replaces a configured ``interactive_reserve``.
-
-The concurrency limit this implies (:meth:`EngineLatency.limit`) is the knee: the
-largest batch whose TPOT̂ meets the tightest target. While the model is not trusted
-(:attr:`LatencyModel.confident`), the limit of a
-:class:`~limits.gradient.GradientLimiter` on normalised TPOT applies instead, and rule 2
-becomes ``in flight < limit``.
-
-Best effort: when the trusted model cannot promise a TPOT target even to one request
-alone (``TPOT̂(1) + z σ`` above it: the knee's own test at a batch of 1 fails, and the
-fit has seen the engine decode at a batch of about one within its memory, so that
-TPOT̂(1) is measured rather than extrapolated from a busy engine's batches), no
-admission can give a request of that target its SLO on this engine; holding requests
-back to a limit of 1, or shedding them, would only lose throughput. Such requests are
-admitted by the engine's capacity signals (slots, KV watermark and blocks, waiting
-requests: :mod:`limits.saturation`) and rule 1, as a plain proxy would that did not
-queue prompts on an engine past their TTFT target; rule 2 does not apply. Rule 1
-applies only while another engine may serve the request within its SLO: else holding
-it back would only move its wait from the engine's queue to the gateway's, which
-rejects what it expects to wait too long (seen with the packaged CPU engine alone at
-best effort: its eight closed-loop clients had 1,307 requests rejected in 90 s).
-Rule 1 then judges on TTFT̂'s mean (no margin) even before the TTFT fit is trusted:
-it is all that bounds the requests sent to an engine that slow, whose prompts would
-otherwise queue there for as long as its slots allow (seen: a 0.5× simulated engine
-took requests predicted to start 5–8 s late against a 1 s target, and started them
-4–7 s late), while an overestimate costs no more than prefills one at a time until
-the fit is trusted, a request with nothing queued ahead being always admitted
-(:meth:`EngineLatency.best_effort`; it ends when ``TPOT̂(1) + z σ`` falls under
-:data:`BEST_EFFORT_EXIT` × the target, so an engine at the boundary does not flap
-between a limit of 1 and its capacity). :meth:`EngineLatency.mode` says which
-controller is active (``model``, ``gradient`` or ``best_effort``).
-
-Observations (:meth:`EngineLatency.sent`, :meth:`~EngineLatency.first_token`,
-:meth:`~EngineLatency.finished`) come from the proxy: the send time, features at send
-time, the first streamed token, the usage (prompt and cached tokens) and the end. The
-batch a request decoded with is the time average of this engine's in-flight count
-between its first token and its end (an integral kept by the ledger); the prefill
-interference is the uncached tokens of other requests that reached their first
-token meanwhile, per decode step.
-
-Where the engine exports its latency histograms (vLLM's
-``vllm:inter_token_latency_seconds``, ``vllm:request_prefill_time_seconds`` — the
-TTFT less the queue time, ``vllm:request_queue_time_seconds``, of the same request —
-and ``vllm:request_prefill_kv_computed_tokens``), each metrics scrape adds
-observations of every request the engine served since the previous one, whoever sent
-it (:meth:`EngineLatency.scraped`, :func:`interval_observations`): the mean
-inter-token latency is a TPOT sample at the interval's mean running + waiting count
-and its uncached prefill tokens per step, fitted only when no prefill can have run in
-the interval (the counters cannot pair a prefill with the steps it slows:
-:meth:`EngineLatency.scraped`); the mean prefill time of the requests that
-finished is a TTFT sample of a request's own computed prompt tokens with nothing
-queued ahead, at the mean running count. They arrive while requests still decode, so
-the model follows a change without waiting for generations to end. The uncached
-prompt tokens of an interval are ``vllm:prefix_cache_queries`` less
-``vllm:prefix_cache_hits`` and less ``vllm:external_prefix_cache_hits`` (the tokens
-a KV connector loaded: a disaggregated decode leg's prompt, prefilled elsewhere,
-interferes with no decode step here): vLLM counts all three when it schedules a
-request, whereas ``vllm:prompt_tokens`` grows only at its first token, so the
-difference of the latter and the hits, clipped at zero per interval, would count a
-cached prompt as uncached whenever the two land in different intervals. The
-interval's uncached and generated tokens (``vllm:generation_tokens``) also feed the
-turnover ratio (:meth:`LatencyModel.observe_turnover`); an engine without these
-counters feeds it from the requests the gateway sees end.
+The rules (TTFT and TPOT admission, room for the more urgent bands, the knee as the
+concurrency limit, best effort, the observations from the proxy and from the engine's
+scraped counters, :func:`interval_observations`) and their sources are in
+``docs/adaptive-admission.md``, "The decision" and "Observations".
 """
 
 from __future__ import annotations
@@ -104,12 +13,10 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from limits.drain_rate import DrainRate
 from limits.gradient import GradientLimiter
-from limits.interfaces import Clock
+from limits.interfaces import Clock, EngineCounters
 from limits.latency_model import LatencyModel, Prediction
 
 log = logging.getLogger(__name__)
@@ -133,7 +40,7 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
            tightest_running_tpot_s: float | None, z: float, limit: float | None = None,
            reserve: float = 0.0, sustained: float | None = None,
            best_effort: bool = False, elsewhere: bool = True) -> Verdict:
-    """Whether an engine takes a request (rules in the module docstring).
+    """Whether an engine takes a request (rules: docs/adaptive-admission.md, "The decision").
 
     Args:
         model: the engine's fitted model.
@@ -159,7 +66,7 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
             mean while the TTFT fit is not trusted, and only when ``elsewhere``.
         elsewhere: another engine may serve the request within its SLO (else, at
             best effort, holding it back would only move its wait from this engine's
-            queue to the gateway's: module docstring).
+            queue to the gateway's: docs/adaptive-admission.md, "Best effort").
     """
     ttft = model.predict_ttft(pending_prefill_tokens + uncached_tokens, decoding)
     alone = model.predict_ttft(uncached_tokens, decoding)  # no prefill queued ahead
@@ -182,218 +89,6 @@ def decide(model: LatencyModel, *, uncached_tokens: int, pending_prefill_tokens:
         ok = (model.predict_tpot(max(1.0, sustained)).upper(z) <= target
               and model.predict_tpot(in_flight + 1).mean <= target)
     return Verdict(ok, ttft, tpot, None if ok else "tpot")
-
-
-#: Standard deviations of Poisson noise by which the fast arrival-rate estimate must
-#: exceed the slow one to count as a surge (:meth:`BandDemand.rates`): a steady load
-#: reads as one about one time in forty.
-SURGE_Z = 2.0
-
-#: Probability, at most, that a request of an urgent band waits for a place past its
-#: slack (:meth:`BandDemand.urgent_free`): one in a hundred.
-URGENT_MISS = 0.01
-
-
-class BandDemand:
-    """Expected requests in service per priority band, from Little's law
-    (``L = λ × S``; Little, Operations Research 1961): ``λ`` an EWMA arrival rate
-    (:class:`~limits.drain_rate.DrainRate`) and ``S`` the time a request of the band
-    holds an engine (:meth:`service_s`); and the places to keep free for the urgent
-    bands (:meth:`urgent_free`).
-
-    ``S`` is the time on an engine predicted when each request is sent (TTFT̂ +
-    TPOT̂ × its output cap, :attr:`Flight.expected_s`), an EWMA over the band's
-    sends, times an EWMA over its finished requests of their actual time over that
-    prediction (the share of the cap they generate, and the model's bias). An average
-    of finished requests' times alone lags a change of the workload by the new
-    requests' own duration: in the shift benchmark's switch to long prompts the first
-    long requests finished 8 s after it, and until then ``S`` read the short mix's
-    2–3 s, so the burst rule admitted past the knees and too few places were kept for
-    the urgent bands (docs/adaptive-admission.md, "Measured"). The prediction sees
-    the new prompts and caps as they are sent.
-
-    Args:
-        clock: monotonic time, s.
-        bands: band names, most urgent first.
-        tau_s: time constant of the arrival rates, s (default 10).
-        fast_tau_s: time constant of a second, faster estimate of each rate, s
-            (default 2.5); while it reads a surge (:meth:`rates`), :meth:`urgent_free`
-            and :meth:`occupancy_through` take the larger of the two, so the places
-            for an urgent band open within seconds of its surge.
-        alpha: EWMA weight of a new predicted time on an engine, ratio of actual to
-            predicted time, or TTFT (default 0.1).
-    """
-
-    def __init__(self, clock: Clock, bands: Sequence[str], *, tau_s: float = 10.0,
-                 fast_tau_s: float = 2.5, alpha: float = 0.1) -> None:
-        self.clock = clock
-        self.bands = list(bands)
-        self._tau_s, self._fast_tau_s = tau_s, fast_tau_s
-        self._rate = {b: DrainRate(tau_s) for b in self.bands}
-        self._fast = {b: DrainRate(fast_tau_s) for b in self.bands}
-        self._expected = dict.fromkeys(self.bands, 0.0)  # predicted time on an engine, s
-        self._ratio = dict.fromkeys(self.bands, 0.0)  # actual / predicted time
-        self._ttft = dict.fromkeys(self.bands, 0.0)
-        self._alpha = alpha
-
-    def arrived(self, band: str) -> None:
-        """A request of ``band`` arrived (whatever becomes of it)."""
-        now = self.clock.now()
-        self._rate[band].add(now)
-        self._fast[band].add(now)
-
-    def _ewma(self, table: dict[str, float], band: str, value: float) -> None:
-        old = table[band]
-        table[band] = value if old == 0 else old + self._alpha * (value - old)
-
-    def started(self, band: str, expected_s: float) -> None:
-        """A request of ``band`` was sent to an engine, predicted to hold it for
-        ``expected_s`` (s; 0: no prediction, ignored)."""
-        if expected_s > 0:
-            self._ewma(self._expected, band, expected_s)
-
-    def served(self, band: str, seconds: float, ttft_s: float | None = None,
-               expected_s: float = 0.0) -> None:
-        """A request of ``band`` held an engine for ``seconds``, predicted at send
-        to hold it ``expected_s`` (s; 0: no prediction); ``ttft_s``: the time from its
-        send to its first token there (None: it had none)."""
-        if expected_s > 0 and seconds > 0:
-            self._ewma(self._ratio, band, seconds / expected_s)
-        if ttft_s is not None:
-            self._ewma(self._ttft, band, ttft_s)
-
-    def service_s(self, band: str) -> float:
-        """``S`` of ``band``: the mean time a request of it holds an engine, s (class
-        docstring); 0 before one of its requests with a prediction has finished."""
-        return self._expected[band] * self._ratio[band]
-
-    def rate(self, band: str) -> float:
-        """Arrivals of ``band`` per second."""
-        return self._rate[band].rate(self.clock.now())
-
-    def occupancy(self, band: str) -> float:
-        """``λ × S`` of ``band``: requests of it in service on average."""
-        return self._rate[band].rate(self.clock.now()) * self.service_s(band)
-
-    def total_occupancy(self) -> float:
-        """Summed occupancy of every band: requests in service on average."""
-        return sum(self.occupancy(b) for b in self.bands)
-
-    def rates(self, bands: Sequence[str]) -> dict[str, float]:
-        """Arrival rates of ``bands``, per second: the slow estimates, or each band's
-        larger of its slow and fast estimates while the bands together surge.
-
-        A surge is the fast estimate of the summed rate above the slow one by more
-        than :data:`SURGE_Z` standard deviations of their difference under a steady
-        Poisson rate ``λ`` (the slow sum): the two exponential-kernel estimators
-        (time constants ``τf``, ``τs``) of one Poisson process differ with variance
-        ``λ (1/(2τf) + 1/(2τs) − 2/(τf + τs))`` (Campbell's theorem applied to the
-        difference of their kernels). Below that the fast estimate is Poisson noise,
-        about ±30 % at 1 request/s: taking the larger of two noisy estimates would
-        read every chance cluster of arrivals as a surge and hold back capacity that
-        the long-run load leaves free. A doubling of the load shows within about
-        two seconds at the default time constants. A surge also restarts each band's
-        slow estimate at that larger one (:meth:`DrainRate.restart`: an average
-        restarted at a detected change), so the long-run reading stays at the new
-        level when the fast one next dips, rather than taking ``τs`` to get there:
-        the burst rule of :func:`decide` trusts it, and a lagging reading let the
-        fleet fill past its knees in the seconds after a surge's first cluster."""
-        now = self.clock.now()
-        slow = {b: self._rate[b].rate(now) for b in bands}
-        fast = {b: self._fast[b].rate(now) for b in bands}
-        lam = sum(slow.values())
-        tf, ts = self._fast_tau_s, self._tau_s
-        spread = math.sqrt(max(0.0, lam * (1 / (2 * tf) + 1 / (2 * ts) - 2 / (tf + ts))))
-        if sum(fast.values()) - lam <= SURGE_Z * spread:
-            return slow
-        rates = {b: max(slow[b], fast[b]) for b in bands}
-        for b, rate in rates.items():
-            self._rate[b].restart(rate, now)
-        return rates
-
-    def occupancy_through(self, band: str) -> float:
-        """Summed occupancy of ``band`` and the bands more urgent, at their
-        :meth:`rates` (a surge reads within seconds): what will hold the engines in
-        the long run when the less urgent bands yield to them (:meth:`urgent_free`)."""
-        rates = self.rates(self.bands[:self.bands.index(band) + 1])
-        return sum(r * self.service_s(b) for b, r in rates.items())
-
-    def urgent_free(self, band: str, places: float, ttft_targets: dict[str, float],
-                    miss: float = URGENT_MISS) -> int:
-        """Places to keep free, fleet-wide, for the bands more urgent than ``band``
-        so that an urgent request waits for one past its slack with probability at
-        most ``miss``.
-
-        While requests of ``band`` fill every other place, the urgent requests (rate
-        ``λ``, their :meth:`rates` summed: a surge reads within seconds) take the
-        ``k`` kept free, and departures (rate ``μ = places / S̄``, ``S̄ = L / Λ`` the
-        mean time on an engine over all bands) give them back. The
-        places used and the urgent requests waiting then form the birth–death chain
-        of an M/M/1 queue started ``k`` deep, so an urgent request waits longer than
-        ``s`` with probability ``r^k e^{−(μ−λ)s}``, ``r = λ / μ`` (the M/M/1
-        waiting-time tail, Kleinrock, Queueing Systems vol. 1, 1975, §3.2, shifted by
-        ``k``). ``k`` is the smallest with that at most ``miss``; ``s`` the smallest
-        slack of the urgent bands, their TTFT target (``ttft_targets``, s) less
-        their mean TTFT on an engine.
-
-        Returns 0 for the most urgent band or before any urgent arrival or finished
-        request, ``ceil(places)`` when the urgent bands alone would fill them
-        (``r ≥ 1``).
-        """
-        urgent = self.bands[:self.bands.index(band)]
-        now = self.clock.now()
-        lam = sum(self.rates(urgent).values())
-        total = sum(self._rate[b].rate(now) for b in self.bands)
-        occupancy = self.total_occupancy()
-        if lam <= 0 or occupancy <= 0 or places <= 0:
-            return 0
-        mu = places * total / occupancy
-        r = lam / mu
-        if r >= 1:
-            return math.ceil(places)
-        slack = min(max(0.0, ttft_targets[b] - self._ttft[b]) for b in urgent)
-        k = (math.log(miss) + (mu - lam) * slack) / math.log(r)
-        return min(math.ceil(places), max(0, math.ceil(k)))
-
-
-@dataclass(frozen=True)
-class EngineCounters:
-    """An engine's cumulative latency histograms and token counters at one scrape
-    (vLLM's names; ``None`` where the engine does not export one).
-
-    Attributes:
-        at: clock time of the scrape, s.
-        load: requests running + waiting there.
-        running: requests running there.
-        itl_sum_s / itl_count: ``vllm:inter_token_latency_seconds`` sum (s) and
-            count (tokens after each request's first).
-        prefill_sum_s / prefill_count: ``vllm:request_prefill_time_seconds`` (first
-            scheduled to first token, observed when a request finishes).
-        computed_tokens: ``vllm:request_prefill_kv_computed_tokens`` sum (prompt
-            tokens the finished requests computed, cache hits excluded).
-        prompt_tokens: ``vllm:prompt_tokens`` (prefill tokens, cached included).
-        cached_tokens: ``vllm:prefix_cache_hits`` (prompt tokens found cached).
-        external_tokens: ``vllm:external_prefix_cache_hits`` (prompt tokens a KV
-            connector loaded from another engine: a disaggregated decode leg's
-            prompt, computed on its prefill engine).
-        queried_tokens: ``vllm:prefix_cache_queries`` (prompt tokens looked up in the
-            prefix cache, counted with the hits).
-        generated_tokens: ``vllm:generation_tokens``.
-    """
-
-    at: float
-    load: float
-    running: float
-    itl_sum_s: float | None = None
-    itl_count: float | None = None
-    prefill_sum_s: float | None = None
-    prefill_count: float | None = None
-    computed_tokens: float | None = None
-    prompt_tokens: float | None = None
-    cached_tokens: float = 0.0
-    external_tokens: float = 0.0
-    queried_tokens: float | None = None
-    generated_tokens: float | None = None
 
 
 @dataclass(frozen=True)
@@ -425,10 +120,11 @@ MIN_INTERVAL_TOKENS = 4
 
 
 def interval_observations(prev: EngineCounters, now: EngineCounters) -> IntervalObservations:
-    """The model's samples in the interval between two scrapes (rules in the module
-    docstring). Counters that fell (an engine restart) or an interval with no time
-    yield nothing; the TPOT sample needs :data:`MIN_INTERVAL_TOKENS` decoded tokens,
-    the TTFT sample a finished request with its computed tokens."""
+    """The model's samples in the interval between two scrapes (rules:
+    docs/adaptive-admission.md, "Observations"). Counters that fell (an engine
+    restart) or an interval with no time yield nothing; the TPOT sample needs
+    :data:`MIN_INTERVAL_TOKENS` decoded tokens, the TTFT sample a finished request
+    with its computed tokens."""
     dt = now.at - prev.at
     if dt <= 0:
         return IntervalObservations()
@@ -535,7 +231,7 @@ class EngineLatency:
         knee's own test at a batch of 1) exceeds the target while the fit remembers a
         request decoding alone (:attr:`LatencyModel.alone_observed`: else TPOT̂(1) is
         an extrapolation, not evidence), or exceeded it and has not yet fallen under
-        :data:`BEST_EFFORT_EXIT` × the target (module docstring)."""
+        :data:`BEST_EFFORT_EXIT` × the target (docs/adaptive-admission.md, "Best effort")."""
         was = tpot_target_s in self._best_effort
         alone = self.model.tpot_alone_s(self.z) if self.model.confident else None
         now = (alone is not None and alone > tpot_target_s * (BEST_EFFORT_EXIT if was else 1.0)

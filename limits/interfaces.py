@@ -6,6 +6,8 @@
 * :class:`EngineLoad` — what the saturation check needs to know about one engine;
   the gateway adapts ``engines.pool.Engine`` to it (``limits`` never imports
   ``engines``).
+* :class:`EngineCounters` — an engine's scraped latency histograms and token counters,
+  as the engines' metric parsers record them and the latency ledger reads them.
 """
 
 from __future__ import annotations
@@ -137,3 +139,43 @@ class EngineLoad(Protocol):
 
     @property
     def slots(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """An engine's cumulative latency histograms and token counters at one scrape
+    (vLLM's names; ``None`` where the engine does not export one).
+
+    Attributes:
+        at: clock time of the scrape, s.
+        load: requests running + waiting there.
+        running: requests running there.
+        itl_sum_s / itl_count: ``vllm:inter_token_latency_seconds`` sum (s) and
+            count (tokens after each request's first).
+        prefill_sum_s / prefill_count: ``vllm:request_prefill_time_seconds`` (first
+            scheduled to first token, observed when a request finishes).
+        computed_tokens: ``vllm:request_prefill_kv_computed_tokens`` sum (prompt
+            tokens the finished requests computed, cache hits excluded).
+        prompt_tokens: ``vllm:prompt_tokens`` (prefill tokens, cached included).
+        cached_tokens: ``vllm:prefix_cache_hits`` (prompt tokens found cached).
+        external_tokens: ``vllm:external_prefix_cache_hits`` (prompt tokens a KV
+            connector loaded from another engine: a disaggregated decode leg's
+            prompt, computed on its prefill engine).
+        queried_tokens: ``vllm:prefix_cache_queries`` (prompt tokens looked up in the
+            prefix cache, counted with the hits).
+        generated_tokens: ``vllm:generation_tokens``.
+    """
+
+    at: float
+    load: float
+    running: float
+    itl_sum_s: float | None = None
+    itl_count: float | None = None
+    prefill_sum_s: float | None = None
+    prefill_count: float | None = None
+    computed_tokens: float | None = None
+    prompt_tokens: float | None = None
+    cached_tokens: float = 0.0
+    external_tokens: float = 0.0
+    queried_tokens: float | None = None
+    generated_tokens: float | None = None

@@ -17,35 +17,25 @@ step time, ``b1`` seconds per sequence in the batch, ``b2`` the prefill cost tha
 chunked/mixed batching adds to every running sequence's step.
 
 Predicting TPOT at a batch ``b`` needs the prefill tokens per step a request will
-decode alongside. That is the engine's own turnover: each step of ``b`` decoding
-sequences yields ``b`` tokens, and by Little's law the requests that replace them
-bring ``ρ`` uncached prompt tokens per generated token, so ``prefill/step = ρ b``.
-``ρ`` is the ratio of the uncached prompt tokens to the generated tokens over the last
-``turnover_tau_s`` (exponentially weighted; :meth:`LatencyModel.observe_turnover`):
-a request's TPOT averages over its whole decode, so the interference it sees is the
-long-run one, not the last second's prefills, which would swing the knee with every
-prefill that lands. A rise of the prompt mix well beyond that noise (a faster
-estimate over ``turnover_fast_tau_s`` above what the older spans' ratio expects by
-:data:`TURNOVER_Z` standard deviations) restarts the slow sums at the fast ones, so
-the knee falls within seconds of a switch to long prompts instead of admitting a
-slow average's worth of them past it.
+decode alongside: ``ρ b``, with ``ρ`` the engine's turnover of uncached prompt tokens
+per generated token over ``turnover_tau_s``, restarted when a faster estimate over
+``turnover_fast_tau_s`` rises :data:`TURNOVER_Z` standard deviations above it
+(:meth:`LatencyModel.observe_turnover`).
 
 Each is fitted by recursive least squares with exponential forgetting (Ljung &
 Söderström, "Theory and Practice of Recursive Identification", MIT Press 1983,
 ch. 2): gain ``K = P x / (1/w + xᵀ P x)``, ``θ ← θ + K e``, ``P ← (P − K xᵀ P) / λ``,
 with the noise variance ``σ²`` estimated from the residuals, so ``σ² (1 + xᵀ P x)``
 is the predictive variance the admission uses (mean + ``z`` standard deviations).
-A TPOT sample is the mean of the decode steps it spans, and a step's time varies a
-lot (a step that carries a prefill chunk takes many times a plain one), so its
-weight ``w`` is its steps over the mean steps of the requests seen to finish: a
-metrics interval of three steps weighs a few hundredths of a request, and the
-predictive spread is that of one request's TPOT, the quantity the SLO bounds, not
-that of a fraction of a second of decoding.
+A TPOT sample is weighted ``w`` by its decode steps over the mean steps of the
+requests seen to finish, so the predictive spread is that of one request's TPOT.
 Robustness: samples that are not finite or not positive are ignored; the innovation
 is clipped at ``huber_k`` predictive standard deviations (Huber's M-estimator applied
 recursively); ``P``'s diagonal is capped at the prior's (forgetting without
 excitation cannot wind it up); parameters are kept ≥ 0 (a latency never falls with
 load).
+
+Why each rule is as it is: ``docs/adaptive-admission.md``, "The model".
 """
 
 from __future__ import annotations
@@ -248,7 +238,7 @@ class LatencyModel:
         self.max_rel_error = max_rel_error
         #: EWMA of |TPOT̂ − TPOT| / TPOT over the last samples (before each update)
         self.tpot_rel_error = 1.0
-        #: ``ρ``: uncached prompt tokens per generated token, recent (module docstring)
+        #: ``ρ``: uncached prompt tokens per generated token, recent (docs/adaptive-admission.md)
         self.prefill_per_token = 0.0
         self.turnover_tau_s = turnover_tau_s
         self.turnover_fast_tau_s = turnover_fast_tau_s
@@ -380,7 +370,7 @@ class LatencyModel:
         expects of their generated tokens ``N_f`` by more than :data:`TURNOVER_Z`
         standard deviations, ``U_f − ρ_o N_f > Z √(N_f Q_o / (2 N_o))``, the slow
         sums restart at the fast ones (an average restarted at a detected change, as
-        the arrival rates do: :meth:`limits.engine_latency.BandDemand.rates`). The
+        the arrival rates do: :meth:`limits.band_demand.BandDemand.rates`). The
         older spans are the slow sums less the fast ones (each span weighs
         ``e^(−Δt/τs) − e^(−Δt/τf)`` there, so the recent spans under test do not
         widen their own yardstick); ``Q_o / N_o``, their squared span prefill per

@@ -25,7 +25,7 @@ TPOT ≤ 100 ms; rejections count as misses).
    their requests, the oracle over all their interactive arrivals; ``runs`` keeps
    each repeat's goodput. One 40 s run at 1× holds about 110 requests and moves by a
    few of them with the arrivals alone, too few to tell a 2 % goal from noise
-   (measured in ``docs/adaptive-admission.md``, "Measured").
+   (``docs/results.md``, "python -m loadtest adaptive").
 2. **heterogeneous** — 4 engines at speeds ``--het-speeds`` (0.5 1 1 2); the probe
    (``b`` clients per engine, the same ``b`` for all) gives the best single static
    limit; ``adaptive`` and ``static_tuned`` at 3× that capacity.

@@ -307,7 +307,7 @@ async def _open_loop(session: aiohttp.ClientSession, url: str, bodies: list[dict
 async def _wait_idle(session: aiohttp.ClientSession, engine: str, timeout_s: float = 60) -> None:
     """Until the engine reports nothing running or waiting (vLLM's gauges), or
     ``timeout_s``; an engine without them is given ``timeout_s`` / 6."""
-    from engines.metrics import parse_metrics
+    from engines.kinds.vllm import parse_metrics
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -47,7 +47,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from engines.metrics import parse_metrics
+from engines.kinds.vllm import parse_metrics
 from engines.pool import MetricsSnapshot
 from loadtest.changed import changed_settings
 from loadtest.launch import RedisServer, free_port, gateway
@@ -336,7 +336,7 @@ def _prefix_tokens(header: str | None) -> dict[str, int] | None:
 
 
 async def _scrape(session: aiohttp.ClientSession, url: str) -> MetricsSnapshot | None:
-    """The engine's ``url/metrics`` (:func:`engines.metrics.parse_metrics`); None when
+    """The engine's ``url/metrics`` (:func:`engines.kinds.vllm.parse_metrics`); None when
     unreachable or unparsable."""
     try:
         async with session.get(url.rstrip("/") + "/metrics",

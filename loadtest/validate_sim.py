@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import aiohttp
 
-from engines.metrics import parse_metrics
+from engines.kinds.vllm import parse_metrics
 from engines.pool import MetricsSnapshot
 from loadtest.client import wait_healthy
 from loadtest.launch import free_port

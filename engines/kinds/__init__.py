@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from config.schema import EngineSpec
 from engines.pool import MetricsSnapshot
 
 #: Every load signal Sluice can read from an engine, in display order.
@@ -74,6 +75,16 @@ class EngineKind:
     quirks: str = ""
     slots_path: str | None = None
     parse_slots: Callable[[Any], int | None] | None = None
+
+
+def accepts_cache_salt(spec: EngineSpec) -> bool:
+    """Whether requests to this engine may carry ``cache_salt``: ``spec.cache_salt``
+    when set, else whether its dialect accepts the field (vLLM ≥ 0.9 and the simulator
+    in vLLM's dialect do) and Sluice launched it (an ``external`` server is not assumed
+    to)."""
+    if spec.cache_salt is not None:
+        return spec.cache_salt
+    return spec.kind != "external" and "cache_salt" in KINDS[spec.engine_dialect].accepts
 
 
 def present(**found: bool) -> frozenset[str]:

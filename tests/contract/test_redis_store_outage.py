@@ -31,6 +31,7 @@ def redis_has(url: str, key: str) -> bool:
         client.close()
 
 
+@pytest.mark.load
 async def test_fail_open_answers_locally_and_recovers(
     redis_url: str, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -88,6 +89,7 @@ async def test_fail_closed_rejects_with_overloaded_and_recovers(
         await store.close()
 
 
+@pytest.mark.load
 async def test_unreachable_from_the_start_fails_open_fast() -> None:
     from tests.conftest import free_port
 

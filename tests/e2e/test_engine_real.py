@@ -17,7 +17,7 @@ import pytest
 
 from config.schema import EnginesConfig
 from engines.health import probe_inference
-from engines.metrics import parse_metrics
+from engines.kinds.vllm import parse_metrics
 from engines.pool import EnginePool, EngineState
 from engines.prepare import prepare_model
 from engines.supervisor import Supervisor, wait_for

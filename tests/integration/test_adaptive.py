@@ -27,7 +27,8 @@ from tests.integration.limits_support import (
 )
 from tests.support import scrape, wait_for
 
-pytestmark = pytest.mark.timeout(240)
+# load: closed-loop traffic until the latency models are learned
+pytestmark = [pytest.mark.timeout(240), pytest.mark.load]
 
 SLOW, FAST = 1.0, 2.0  # simulator speed factors
 # TPOT target 80 ms: knees (44 + 4 b) / speed ≤ 80 ms → about 9 (slow) and 29 (fast),

@@ -437,6 +437,7 @@ async def reload_tenants(config_dir: Path, session: aiohttp.ClientSession, url: 
         await wait_for(reported, 10, "the feed to report the tenants.yaml reload", poll_s=0.2)
 
 
+@pytest.mark.load
 async def test_live_dashboard_during_load(browser, live_gateway, tmp_path: Path) -> None:
     gw, config_dir = live_gateway
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:

@@ -46,6 +46,7 @@ async def test_an_oversize_first_event_is_a_502_and_not_retried(engines):
     assert len(e0.received) + len(e1.received) == 1
 
 
+@pytest.mark.load
 async def test_only_complete_events_reset_the_idle_deadline(engines):
     (fake,) = await engines(1, mode="unbounded_event", delay_s=0.02)
     cfg = make_config([fake], gateway={"max_event_bytes": 64 * 1024 * 1024,

@@ -17,7 +17,8 @@ import pytest
 from tests.integration.limits_support import auth, chat, gateways, sim_engine, tenant, write_config
 from tests.support import scrape, wait_for
 
-pytestmark = pytest.mark.timeout(240)
+# load: closed-loop traffic until a learned limit moves (up to 120 s)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.load]
 
 FAST = 4.0  # simulator speed factor
 SLOW = 1.4  # the speed factor the TGI-dialect engine is slowed to

@@ -99,6 +99,7 @@ async def _wait_signals(session: aiohttp.ClientSession, url: str) -> str:
     return text
 
 
+@pytest.mark.load
 async def test_every_dialect_serves_and_reports_its_signals(gateway) -> None:
     async with aiohttp.ClientSession() as session:
         text = await _wait_signals(session, gateway.url)

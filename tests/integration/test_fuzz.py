@@ -23,7 +23,8 @@ from loadtest.fuzz import FuzzRequest, describe, requests, send, stand_config
 from loadtest.harness import TRACE_ENV, TraceSink, leftovers, new_trace, settled
 from loadtest.launch import gateway
 
-pytestmark = pytest.mark.timeout(600)
+# load: fixed-size fuzz and fault runs against a live gateway
+pytestmark = [pytest.mark.timeout(600), pytest.mark.load]
 
 
 class Stand:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(600)
+# load: each test runs a benchmark harness for a fixed duration
+pytestmark = [pytest.mark.timeout(600), pytest.mark.load]
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[dict, str]:

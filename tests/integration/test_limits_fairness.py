@@ -28,7 +28,8 @@ from tests.integration.limits_support import (
 )
 from tests.support import wait_for
 
-pytestmark = pytest.mark.timeout(120)
+# load: fixed-duration closed-loop traffic (10 s, 8 s)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.load]
 
 PROMPT = "the river runs to the sea and the sea is never full " * 8  # ~100 tokens
 INTERACTIVE_BOUND_S = 1.0

@@ -95,6 +95,7 @@ def tally(results: list[tuple[int, dict, object]]) -> tuple[int, int]:
     return ok, len(results) - ok
 
 
+@pytest.mark.load
 async def test_requests_per_min_exact_across_three_gateways(cluster, redis_server) -> None:
     flush(redis_server)
     t0 = time.monotonic()
@@ -106,6 +107,7 @@ async def test_requests_per_min_exact_across_three_gateways(cluster, redis_serve
     assert all(int(h["Retry-After"]) <= 60 / RPM + 1 for s, h, _ in results if s == 429)
 
 
+@pytest.mark.load
 async def test_tokens_per_min_concurrent_streams_never_overshoot(cluster, redis_server) -> None:
     flush(redis_server)
     body = chat("tell me a long story about rivers and the sea " * 4, 60, stream=True)
@@ -125,6 +127,7 @@ async def test_tokens_per_min_concurrent_streams_never_overshoot(cluster, redis_
     assert sum(used) >= TPM - 2 * reservation
 
 
+@pytest.mark.load
 async def test_cancelled_stream_returns_concurrency_slot(cluster, redis_server) -> None:
     flush(redis_server)
     long = chat("hello", 2000, stream=True)

@@ -13,6 +13,9 @@ import pytest
 
 from loadtest.overhead import CELLS, METRICS, NO_TURN_CACHE, PATHS, _long_available
 
+# load: runs `loadtest overhead` for a fixed duration
+pytestmark = pytest.mark.load
+
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = [c for c in CELLS if c != "long"]
 

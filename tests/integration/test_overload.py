@@ -24,7 +24,8 @@ from tests.integration.limits_support import (
     write_config,
 )
 
-pytestmark = pytest.mark.timeout(150)
+# load: fixed-duration overload traffic (3 s and 10 s)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.load]
 
 ENGINES, SLOTS, QUEUE_MAX = 2, 4, 24
 TENANTS = ("chat", "std", "bulk", "capped")

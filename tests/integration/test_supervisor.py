@@ -210,6 +210,7 @@ async def test_idle_engine_gets_inference_probes(make: Any) -> None:
     await sup.stop(grace_s=1)
 
 
+@pytest.mark.load
 async def test_stop_drains_in_flight_requests_first(make: Any) -> None:
     sup, pool = make(config({"name": "a"}))
     await sup.start()
@@ -235,6 +236,7 @@ async def test_stop_drains_in_flight_requests_first(make: Any) -> None:
     assert engine.state is EngineState.STOPPED and not alive(pid)
 
 
+@pytest.mark.load
 async def test_drain_grace_bounds_the_wait(make: Any) -> None:
     sup, pool = make(config({"name": "a"}))
     await sup.start()
@@ -247,6 +249,7 @@ async def test_drain_grace_bounds_the_wait(make: Any) -> None:
     assert not alive(sup.runners[0].process.pid)
 
 
+@pytest.mark.load
 async def test_sigterm_ignored_then_sigkill(make: Any) -> None:
     sup, pool = make(config({"name": "a", "args": ["--ignore-sigterm"]}, stop_grace_s=0.5))
     await sup.start()

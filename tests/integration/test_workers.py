@@ -158,6 +158,7 @@ async def test_both_workers_serve_requests(two_workers: Workers) -> None:
     assert {h["x-sluice-engine"] for _, h, _ in results} == {"sim"}
 
 
+@pytest.mark.load
 async def test_requests_per_min_exact_across_workers(two_workers: Workers, redis_server) -> None:
     import redis
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from config.schema import AdaptiveConfig, DisaggregationConfig, EnginesConfig, EngineSpec
-from engines.metrics import MetricsSnapshot
-from engines.pool import Engine, EnginePool, EngineState
+from engines.pool import Engine, EnginePool, EngineState, MetricsSnapshot
 from engines.scheduler import SchedRequest, Scheduler
 from gateway.disagg import PREFILL_PARAMS, Disaggregator, PrefillSpeed, decode_body, prefill_body
 from gateway.placement import Need, Placer

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from engines.kinds import SIGNALS
-from engines.metrics import parse_metrics
+from engines.kinds.vllm import parse_metrics
 from engines.pool import MetricsSnapshot
-from limits.engine_latency import EngineCounters
+from limits.interfaces import EngineCounters
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

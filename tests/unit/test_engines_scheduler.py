@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import pytest
 from pydantic import ValidationError
 
+from config import plugins as config_plugins
+from config.plugins import NoParams
 from config.schema import FilterConfig, SchedulerConfig, ScorerConfig
 from engines import plugins
 from engines.plugins import (
@@ -77,6 +79,8 @@ class _OnlyB:
 
 def test_configured_filters_narrow_and_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(plugins, "FILTERS", {"drop-all": _DropAll, "only-b": _OnlyB})
+    monkeypatch.setattr(config_plugins, "PLUGIN_PARAMS", {  # the schema's side of the registry
+        **config_plugins.PLUGIN_PARAMS, "filter": {"drop-all": NoParams, "only-b": NoParams}})
     es = [eng("a", 0), eng("b", 5)]
     narrow = Scheduler(SchedulerConfig(filters=[FilterConfig(type="only-b")]))
     assert narrow.pick(REQ, es, 0).engine.id == "b"

@@ -11,17 +11,16 @@ import statistics
 
 import pytest
 
-import config.schema  # noqa: F401 - first: engines.interfaces alone hits an import cycle
 from limits import latency_model
+from limits.band_demand import BandDemand
 from limits.engine_latency import (
-    BandDemand,
-    EngineCounters,
     EngineLatency,
     IntervalObservations,
     decide,
     interval_observations,
 )
 from limits.gradient import GradientLimiter
+from limits.interfaces import EngineCounters
 from limits.latency_model import LatencyModel, LatencyPrior, RecursiveLeastSquares
 
 

@@ -134,6 +134,7 @@ async def test_async_blocks_never_raise() -> None:
     assert await pb.blocks("m", PromptInput(messages=MESSAGES), None) == ()
 
 
+@pytest.mark.load
 def test_cost_per_request_is_small(capsys) -> None:
     """Rendering + tokenising + hashing a ~1,000-token chat with the fallback."""
     pb = PromptBlocks(engines_cfg("sim"), pool_with_block_size(16))
