@@ -80,8 +80,7 @@ def _running(engine_url: str) -> float:
 
 
 def test_client_disconnect_lowers_engine_running(served):
-    (engine,) = [f"http://127.0.0.1:{p.cmdline()[p.cmdline().index('--port') + 1]}"
-                 for p in served.engine_processes() if MODEL in " ".join(p.cmdline())]
+    (engine,) = served.engine_urls(MODEL)
     body = {"model": MODEL, "max_tokens": 1500, "stream": True, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Write a long story."}]}
     with httpx.Client(timeout=30) as http, \
