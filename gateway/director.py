@@ -369,6 +369,7 @@ class Director:
         except asyncio.CancelledError:
             rec.outcome = Outcome.CLIENT_DISCONNECTED
             raise
+
     async def _expand_conversation(self, tenant: TenantQuota,
                                    body: dict) -> dict:
         """A Responses body with ``previous_response_id`` replaced by the stored
