@@ -293,3 +293,29 @@ async def test_unknown_response_paths_are_404_in_openai_shape(engines) -> None:
         r = await gw.session.get(gw.url + "/v1/responses/resp_x",
                                  headers={"Authorization": "Bearer key-acme"})
         assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+
+
+async def test_new_endpoints_retry_on_another_engine_before_the_first_byte(engines) -> None:
+    """An engine answering 503 is passed over for the other one, for a streamed
+    Responses request and an Anthropic Messages request alike."""
+    busy, ok = await engines(2)
+    busy.mode, busy.status = "status", 503
+    async with run_gateway(make_config([busy, ok], tenants=TENANTS)) as gw:
+        for _ in range(3):  # whichever engine the scheduler tries first
+            events = [e async for e in await oai(gw).responses.create(
+                model=ok.model, input="hi", max_output_tokens=2, stream=True)]
+            assert events[-1].type == "response.completed"
+            msg = await claude(gw).messages.create(
+                model=ok.model, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+            assert msg.usage.output_tokens == 2
+        assert len(ok.received) == 6
+
+
+async def test_engine_rejection_on_messages_is_anthropic_shaped(engines) -> None:
+    [engine] = await engines(1, mode="status", status=400, error_message="bad tool schema")
+    async with run_gateway(make_config([engine], tenants=TENANTS)) as gw:
+        with pytest.raises(anthropic.BadRequestError) as err:
+            await claude(gw).messages.create(
+                model=engine.model, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+        assert err.value.body == {"type": "error", "error": {
+            "type": "invalid_request_error", "message": "bad tool schema"}}
