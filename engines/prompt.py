@@ -174,6 +174,10 @@ class HFEncoder:
             env.globals["raise_exception"] = raise_exception
             self._template = env.from_string(source)
         tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        # a sentence-transformers tokenizer.json pads (and truncates) every input to a
+        # fixed length (all-MiniLM-L6-v2: 128); the engine counts the tokens themselves
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
         markers = turn_markers(source or "", (t.content for t in
                                               tokenizer.get_added_tokens_decoder().values()))
         if markers is not None and self._template is not None and self.turn_cache_tokens:

