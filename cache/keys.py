@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-EndpointKind = Literal["chat", "completions"]
+EndpointKind = Literal["chat", "completions", "embeddings"]
 
 #: Body fields that change transport or bookkeeping, never the generated text:
 #: ``stream`` / ``stream_options`` (a cached answer is replayed either way),

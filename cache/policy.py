@@ -33,15 +33,25 @@ def is_deterministic(body: dict[str, Any]) -> bool:
     return isinstance(t, (int, float)) and not isinstance(t, bool) and t == 0
 
 
-def request_cacheable(body: dict[str, Any], tenant: TenantCache) -> bool:
-    """Whether the cache may answer or keep this request for this tenant."""
-    return tenant.enabled and (is_deterministic(body) or tenant.cache_sampled)
+#: Endpoints whose answer depends on the request alone (no sampling).
+DETERMINISTIC_ENDPOINTS: frozenset[str] = frozenset({"embeddings"})
+
+
+def request_cacheable(body: dict[str, Any], tenant: TenantCache,
+                      endpoint: str = "chat") -> bool:
+    """Whether the cache may answer or keep this request for this tenant (an
+    embeddings request always may: :data:`DETERMINISTIC_ENDPOINTS`)."""
+    return tenant.enabled and (endpoint in DETERMINISTIC_ENDPOINTS
+                               or is_deterministic(body) or tenant.cache_sampled)
 
 
 def response_storable(response: dict[str, Any]) -> bool:
-    """Whether ``response`` (a non-streaming OpenAI response body) is complete."""
+    """Whether ``response`` (a non-streaming OpenAI chat, completions or embeddings
+    body) is complete."""
     if not isinstance(response, dict) or "error" in response:
         return False
+    if response.get("object") == "list":  # embeddings: every input's vector
+        return isinstance(response.get("data"), list) and bool(response["data"])
     choices = response.get("choices")
     if not isinstance(choices, list) or not choices:
         return False

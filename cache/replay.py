@@ -48,8 +48,13 @@ def cached_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def as_json(response: dict[str, Any], endpoint: EndpointKind, model: str,
             clock: Callable[[], float] = time.time) -> dict[str, Any]:
-    """The cached ``response`` as a non-streaming body for a request for ``model``."""
+    """The cached ``response`` as a non-streaming body for a request for ``model``
+    (embeddings: as stored, with the model and the usage unchanged — an embeddings
+    usage has no cached-token detail)."""
     out = copy.deepcopy(response)
+    if endpoint == "embeddings":
+        out["model"] = model
+        return out
     out.update(id=_ID_PREFIX[endpoint] + secrets.token_hex(12), created=int(clock()),
                model=model)
     if "usage" in out:

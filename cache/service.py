@@ -40,7 +40,7 @@ class CacheRequest:
     Attributes:
         namespace: the tenant's cache namespace (``TenantQuota.namespace``).
         tenant: the tenant's cache settings (``TenantQuota.cache``).
-        endpoint: ``chat`` or ``completions``.
+        endpoint: ``chat``, ``completions`` or ``embeddings``.
         model: the model that answers.
         body: the JSON body as looked up (the client's, with the tenant's output cap
             and ``cache_salt``); never modified. :meth:`ResponseCache.store` gets the
@@ -87,7 +87,8 @@ class ResponseCache:
 
     def eligible(self, req: CacheRequest) -> bool:
         """Whether the cache is consulted at all (else the response says ``bypass``)."""
-        return self.cfg.enabled and not req.no_cache and request_cacheable(req.body, req.tenant)
+        return self.cfg.enabled and not req.no_cache and request_cacheable(
+            req.body, req.tenant, req.endpoint)
 
     async def lookup(self, req: CacheRequest) -> CacheHit | None:
         """The cached answer to ``req``, or None (miss, or not :meth:`eligible`). A
@@ -129,7 +130,7 @@ class ResponseCache:
         policy allows; returns whether it was stored (False also when the store
         failed; logged)."""
         if not (self.cfg.enabled and not req.no_store
-                and request_cacheable(req.body, req.tenant) and response_storable(response)):
+                and request_cacheable(req.body, req.tenant, req.endpoint) and response_storable(response)):
             return False
         try:
             await self._store(req, response)
@@ -158,6 +159,24 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 REDIS_TIMEOUT_S = 0.5
 
 
+def open_byte_store(cfg: CacheConfig,
+                    clock: Clock = MONOTONIC) -> tuple[ByteStore, aioredis.Redis | None]:
+    """The byte store of ``cfg.store_url`` and its Redis client (None for
+    ``memory://``, an LRU capped at ``cfg.max_bytes`` whose entries expire by
+    ``clock``).
+
+    Raises:
+        ValueError: ``store_url`` is neither ``memory://`` nor Redis.
+    """
+    if cfg.store_url.startswith("memory://"):
+        return MemoryByteStore(cfg.max_bytes, clock), None
+    if cfg.store_url.startswith(REDIS_SCHEMES):
+        redis = aioredis.Redis.from_url(cfg.store_url, socket_timeout=REDIS_TIMEOUT_S,
+                                        socket_connect_timeout=REDIS_TIMEOUT_S)
+        return RedisByteStore(redis), redis
+    raise ValueError(f"cache.store_url must be memory:// or redis://, got {cfg.store_url!r}")
+
+
 def open_cache(cfg: CacheConfig, embedder: BatchingEmbedder | None = None,
                clock: Clock = MONOTONIC) -> ResponseCache:
     """Build the :class:`ResponseCache` for ``cfg.store_url``: ``memory://`` (one
@@ -166,16 +185,7 @@ def open_cache(cfg: CacheConfig, embedder: BatchingEmbedder | None = None,
     :class:`~cache.embedder.MiniLMEmbedder` behind a
     :class:`~cache.embedder.BatchingEmbedder` (loads the model, ~1 s). ``clock`` (s)
     expires ``memory://`` entries and times the semantic lookups."""
-    redis: aioredis.Redis | None = None
-    store: ByteStore
-    if cfg.store_url.startswith("memory://"):
-        store = MemoryByteStore(cfg.max_bytes, clock)
-    elif cfg.store_url.startswith(REDIS_SCHEMES):
-        redis = aioredis.Redis.from_url(cfg.store_url, socket_timeout=REDIS_TIMEOUT_S,
-                                        socket_connect_timeout=REDIS_TIMEOUT_S)
-        store = RedisByteStore(redis)
-    else:
-        raise ValueError(f"cache.store_url must be memory:// or redis://, got {cfg.store_url!r}")
+    store, redis = open_byte_store(cfg, clock)
     semantic = None
     if cfg.semantic.enabled:
         if embedder is None:

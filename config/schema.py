@@ -129,6 +129,10 @@ class CacheConfig(_Strict):
     max_bytes: int = Field(256 * 1024 * 1024, ge=1)
     default_ttl_s: float = Field(3600.0, gt=0)
     semantic: SemanticCacheConfig = SemanticCacheConfig()
+    #: how long the Responses API conversation state is kept (``previous_response_id``),
+    #: s; it lives in ``store_url`` (its own LRU of ``max_bytes`` for ``memory://``)
+    #: whether or not ``enabled``
+    responses_ttl_s: float = Field(86400.0, gt=0)
 
 
 class ObservabilityConfig(_Strict):
@@ -368,7 +372,8 @@ class EngineSpec(_Strict):
     model: str = Field(..., description="served model name clients ask for")
     kind: Literal["vllm", "llamacpp", "sim", "external"] = "vllm"
     dialect: Literal["vllm", "llamacpp", "sglang", "tgi", "trtllm", "openai"] | None = None
-    model_path: str | None = Field(None, description="path or 'packaged:gemma3-270m'")
+    model_path: str | None = Field(None, description="path, 'packaged:gemma3-270m' or "
+                                   "'packaged:all-minilm-l6-v2'")
     url: str | None = None
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=1, le=65535)
@@ -412,6 +417,14 @@ class EngineSpec(_Strict):
     def engine_dialect(self) -> str:
         """The dialect in effect: ``dialect``, else the kind's own."""
         return self.dialect or ("llamacpp" if self.kind == "llamacpp" else "vllm")
+
+    @property
+    def pooling(self) -> bool:
+        """The engine runs vLLM's pooling runner (``--runner pooling`` in ``args``): it
+        serves embeddings, generates nothing and keeps no prefix cache to publish."""
+        args = self.args
+        return "--runner=pooling" in args or any(
+            a == "--runner" and args[i + 1:i + 2] == ["pooling"] for i, a in enumerate(args))
 
     @property
     def tokenizer_source(self) -> str:

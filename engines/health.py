@@ -47,6 +47,7 @@ async def probe_ready(
 _PROBES = {
     "completions": ("/v1/completions", {"prompt": "Hi"}),
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    "embeddings": ("/v1/embeddings", {"input": "Hi"}),
 }
 
 
@@ -55,12 +56,14 @@ async def probe_inference(
     endpoint: str = "completions",
 ) -> bool:
     """True if a 1-token request (``max_tokens: 1``) to ``endpoint`` (``completions``
-    or ``chat``) answers 200 with a choice within ``timeout_s`` seconds: the model
+    or ``chat``) answers 200 with a choice, or for ``embeddings`` (a pooling engine)
+    a one-word input answers 200 with a vector, within ``timeout_s`` seconds: the model
     itself runs, not just the HTTP server. A 404 or 405 from completions (a chat-only
     server) is followed by the same probe on chat completions. Never raises for
     network or protocol errors."""
     path, fields = _PROBES[endpoint]
-    body = {"model": model, "max_tokens": 1, "temperature": 0, **fields}
+    body = {"model": model, **fields} if endpoint == "embeddings" else {
+        "model": model, "max_tokens": 1, "temperature": 0, **fields}
     try:
         async with session.post(
             f"{base_url}{path}", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s),
@@ -70,7 +73,7 @@ async def probe_inference(
             if resp.status != 200:
                 return False
             data = await resp.json(content_type=None)
-        return bool(data.get("choices"))
+        return bool(data.get("data" if endpoint == "embeddings" else "choices"))
     except (*_ERRORS, AttributeError) as e:
         log.debug("inference probe %s: %r", base_url, e)
         return False

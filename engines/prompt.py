@@ -46,7 +46,14 @@ from config.schema import (
 from engines.blocks import chain_block_hashes, fallback_tokenize
 from engines.interfaces import PromptEncoder
 from engines.pool import EnginePool
-from engines.prepare import MODEL_DIRNAME, PACKAGED_GEMMA, default_cache_dir, is_prepared
+from engines.prepare import (
+    MODEL_DIRNAME,
+    PACKAGED_GEMMA,
+    PACKAGED_MINILM,
+    default_cache_dir,
+    is_prepared,
+    resolve_model_path,
+)
 from engines.token_cache import DEFAULT_MAX_TOKENS, TurnTokenCache, turn_markers
 
 log = logging.getLogger(__name__)
@@ -264,6 +271,10 @@ class HFEncoder:
                 env.parse(source))
             self._renders_calls = "tool_calls" in source
         tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        # a sentence-transformers tokenizer.json pads (and truncates) every input to a
+        # fixed length (all-MiniLM-L6-v2: 128); the engine counts the tokens themselves
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
         markers = turn_markers(source or "", (t.content for t in
                                               tokenizer.get_added_tokens_decoder().values()))
         if markers is not None and self._template is not None and self.turn_cache_tokens:
@@ -321,6 +332,8 @@ def local_model_folder(spec: EngineSpec, cache_dir: Path | None = None) -> Path 
     if source == PACKAGED_GEMMA:
         folder = (cache_dir or default_cache_dir()) / MODEL_DIRNAME
         return folder if is_prepared(folder) else None
+    if source == PACKAGED_MINILM:
+        source = resolve_model_path(source)
     folder = Path(source).expanduser()
     return folder if (folder / "tokenizer.json").is_file() else None
 

@@ -233,7 +233,8 @@ class EngineRunner:
         args = (self.session, self.engine.base_url, self.engine.model, self.cfg.probe_timeout_s)
         kind = KINDS[self.spec.engine_dialect]
         return await probe_ready(*args, kind.health_path) and (
-            not inference or await probe_inference(*args, kind.probe_endpoint))
+            not inference or await probe_inference(
+                *args, "embeddings" if self.spec.pooling else kind.probe_endpoint))
 
     async def stop_process(self, grace_s: float) -> None:
         """SIGTERM the current process group, SIGKILL after ``grace_s`` seconds.

@@ -243,7 +243,7 @@ class Supervisor:
             extra: list[str] = []
             if addresses:
                 engine.kv_events = addresses[engine_id].kv_events
-            elif events and spec.kind in KV_EVENT_KINDS:
+            elif events and spec.kind in KV_EVENT_KINDS and not spec.pooling:
                 if self._sock_dir is None:
                     self._sock_dir = private_socket_dir()
                 engine.kv_events, extra = kv_events_flag(engine_id, self._sock_dir)

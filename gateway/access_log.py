@@ -2,7 +2,7 @@
 
 Fields: ``request_id`` (the gateway's), ``client_request_id`` (the client's
 ``x-request-id``, at most 64 characters of ``A-Za-z0-9._:-``, else null), ``path``
-(the route), ``tenant``, ``model``, ``engine``, ``status``, ``outcome``,
+(the route), ``endpoint``, ``tenant``, ``model``, ``engine``, ``status``, ``outcome``,
 ``reason``, ``queue_ms``, ``ttft_ms``, ``duration_ms``, ``tokens_in``, ``tokens_out``,
 ``cache``, ``degraded`` — never a prompt, an answer or a key.
 """
@@ -26,7 +26,7 @@ def access_line(rec: RequestRecord) -> str:
     """The JSON line for ``rec`` (compact, UTF-8)."""
     return msgspec.json.encode({
         "request_id": rec.request_id, "client_request_id": rec.client_request_id,
-        "path": rec.path, "tenant": rec.tenant,
+        "path": rec.path, "endpoint": rec.endpoint, "tenant": rec.tenant,
         "model": rec.model, "engine": rec.engine, "status": rec.status,
         "outcome": rec.outcome.value, "reason": rec.reason, "queue_ms": _ms(rec.queue_s),
         "ttft_ms": _ms(rec.ttft_s), "duration_ms": _ms(rec.duration_s),

@@ -1,7 +1,12 @@
 """The aiohttp application: ``create_app(cfg)`` and the HTTP routes.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
-(models with at least one ready engine that the tenant may use), ``GET /health``
+Routes: the inference endpoints of :data:`gateway.openai_api.PATHS` (``POST
+/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/messages``,
+``/v1/messages/count_tokens``, ``/v1/embeddings``, ``/tokenize``, ``/detokenize``: each
+the one pipeline of :class:`~gateway.director.Director` with its endpoint's adapter),
+``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` (the gateway's
+stored responses), ``GET /v1/models`` (models with at least one ready engine that the
+tenant may use, as their engines describe them), ``GET /health``
 (liveness: the process answers, with its ``pid`` and ``worker`` index), ``GET /ready``
 (every configured model has a ready engine; 503 otherwise), ``GET /metrics``
 (Prometheus; or on ``metrics_listen``), ``GET /admin/stats`` (the dashboard's feed;
@@ -22,14 +27,15 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from cache.service import open_cache
+from cache.conversations import ResponseStore
+from cache.service import STORE_ERRORS, open_byte_store, open_cache
 from config.loader import ConfigError, check_cross_refs
 from config.schema import PRIORITIES, Config, EnginesConfig, TenantsConfig
 from engines.kv_events import KVEventSubscribers
@@ -50,6 +56,7 @@ from gateway.keys import (
     LIMITER,
     METRICS,
     MODEL_CACHE_DIR,
+    MODEL_CARDS,
     OBSERVERS,
     POOL,
     QUEUES,
@@ -67,6 +74,8 @@ from gateway.keys import (
 )
 from gateway.metrics import FleetCollector, GatewayMetrics
 from gateway.middlewares import auth_middleware, errors_middleware
+from gateway.models import ModelCards
+from gateway.openai_api import PATHS, Endpoint
 from gateway.proxy import EngineClient
 from gateway.reload import ConfigReloader, reloadable_engines
 from gateway.stats import StatsFeed
@@ -84,12 +93,47 @@ STARTED = int(time.time())
 log = logging.getLogger("sluice.app")
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[DIRECTOR].handle(request, "chat")
+def _inference(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The route handler of an inference endpoint: the one pipeline
+    (:meth:`Director.handle`) with that endpoint's adapter."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await request.app[DIRECTOR].handle(request, endpoint)
+    handler.__name__ = endpoint
+    return handler
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[DIRECTOR].handle(request, "completions")
+async def _stored_response(request: web.Request) -> dict:
+    """The tenant's stored Responses object named in the path.
+
+    Raises:
+        Rejected: 404 when the tenant has no such stored response; 503 when the
+            conversation store cannot be read.
+    """
+    response_id = request.match_info["response_id"]
+    try:
+        record = await request.app[DIRECTOR].responses.get(request[TENANT].namespace,
+                                                           response_id)
+    except STORE_ERRORS:
+        raise Rejected(Outcome.OVERLOADED, "The conversation store is unavailable; retry "
+                       "shortly.", reason="conversation_store") from None
+    if record is None or not isinstance(record.get("response"), dict):
+        raise Rejected(Outcome.NOT_FOUND, f"Response with id '{response_id}' not found.")
+    return record["response"]
+
+
+async def get_response(request: web.Request) -> web.Response:
+    """``GET /v1/responses/{id}``: a response the gateway stored for this tenant
+    (:mod:`cache.conversations`), whichever worker or engine produced it."""
+    return web.json_response(await _stored_response(request))
+
+
+async def cancel_response(request: web.Request) -> web.Response:
+    """``POST /v1/responses/{id}/cancel``: only background responses can be
+    cancelled (OpenAI), and the gateway runs none (``background: true`` is the
+    engine's 400): a stored response answers 400, an unknown one 404."""
+    await _stored_response(request)
+    raise Rejected(Outcome.INVALID_REQUEST, "Only responses created with background=true "
+                   "can be cancelled; this gateway serves no background responses.")
 
 
 async def admin_capacity(request: web.Request) -> web.Response:
@@ -117,13 +161,15 @@ async def admin_capacity(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: one entry per served model with a ready engine that the
+    tenant may use, as an engine of it describes the model (``max_model_len``,
+    ``root``, ``created``, ``owned_by``: :class:`gateway.models.ModelCards`)."""
     allowed = request[TENANT].allowed_models
-    models = [m for m in request.app[POOL].ready_models() if allowed is None or m in allowed]
-    return web.json_response({
-        "object": "list",
-        "data": [{"id": m, "object": "model", "created": STARTED, "owned_by": "sluice"}
-                 for m in models],
-    })
+    pool = request.app[POOL]
+    models = [m for m in pool.ready_models() if allowed is None or m in allowed]
+    cards = request.app[MODEL_CARDS]
+    data = await asyncio.gather(*(cards.card(m, pool.for_model(m)) for m in models))
+    return web.json_response({"object": "list", "data": list(data)})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -220,8 +266,10 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app.router.add_get("/admin/stats", stats_handler)
     app.router.add_get("/admin/capacity", admin_capacity)
     app.router.add_get("/dashboard", dashboard)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    for endpoint, path in PATHS.items():
+        app.router.add_post(path, _inference(endpoint))
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
@@ -276,6 +324,7 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
         auto_decompress=False,
     )
     app[SESSION] = session
+    app[MODEL_CARDS] = ModelCards(session, STARTED, cfg.gateway.timeouts.connect_s)
     supervisor = Supervisor(cfg=cfg.engines, pool=app[POOL], session=session,
                             model_cache_dir=app[MODEL_CACHE_DIR], clock=app[CLOCK],
                             launch=worker is None or worker.owns_engines,
@@ -303,7 +352,8 @@ async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
                             max_response_bytes=cfg.gateway.max_response_bytes),
         limiter=app[LIMITER], queues=queues,
         detector=SaturationDetector.from_config(cfg.engines), cache=cache,
-        clock=app[CLOCK], spans=app[SPANS])
+        clock=app[CLOCK], spans=app[SPANS], responses=ResponseStore(
+            open_byte_store(cfg.gateway.cache, app[CLOCK])[0], cfg.gateway.cache.responses_ttl_s))
 
     def kick() -> None:
         for q in queues.values():
@@ -322,6 +372,7 @@ async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
             q.close()
         if cache is not None:
             await cache.close()
+        await app[DIRECTOR].responses.close()
         await store.close()
 
 

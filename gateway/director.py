@@ -11,25 +11,29 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import math
 from collections.abc import Callable
 
 from aiohttp import web
 from opentelemetry.trace import SpanKind
 
+from cache.conversations import ResponseStore, input_items
 from cache.policy import request_cacheable
 from cache.replay import as_json, as_sse
-from cache.service import CacheHit, CacheRequest, ResponseCache
+from cache.service import STORE_ERRORS, CacheHit, CacheRequest, ResponseCache
+from cache.stores import MemoryByteStore
 from config.schema import PRIORITIES, Config, DegradationConfig, EnginesConfig, TenantQuota
 from engines.kinds import accepts_cache_salt
 from engines.pool import Engine, EnginePool
-from engines.prompt import PromptBlocks, PromptInput, cache_salt
+from engines.prompt import PromptBlocks, cache_salt
 from engines.scheduler import SchedRequest, Scheduler
 from engines.sessions import session_key
 from gateway.capacity import CapacityReport
 from gateway.disagg import Disaggregator, PrefillLeg
 from gateway.keys import RECORD, TENANT
 from gateway.openai_api import (
+    TOKEN_FREE,
     Endpoint,
     InferenceRequest,
     output_cap,
@@ -50,6 +54,11 @@ from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter, Reservation, Sizing, reservation_size
 from limits.saturation import SaturationDetector
 
+log = logging.getLogger("sluice.director")
+
+#: Endpoints the response cache serves (the others' answers are sampled text whose
+#: streams it cannot replay, or cost nothing to recompute).
+CACHED_ENDPOINTS = frozenset({"chat", "completions", "embeddings"})
 #: Request fields whose output a streamed answer, reassembled, would not keep
 #: (``StreamSummary.to_response`` rebuilds every delta field, not the per-token
 #: ``logprobs``): such answers are not cached.
@@ -124,13 +133,16 @@ class Director:
         clock: monotonic time, s; the only clock the request path reads.
         spans: tracing (disabled when None).
         prompts: tokenizer and block hashes per model (built from ``cfg`` when None).
+        responses: the Responses API's stored conversations (``previous_response_id``);
+            None: in this process's memory.
     """
 
     def __init__(self, *, cfg: Config, pool: EnginePool, scheduler: Scheduler,
                  client: EngineClient, limiter: RateLimiter,
                  queues: dict[str, AdmissionQueue[Placement]], detector: SaturationDetector,
                  cache: ResponseCache | None, clock: Clock, spans: Spans | None = None,
-                 prompts: PromptBlocks | None = None) -> None:
+                 prompts: PromptBlocks | None = None,
+                 responses: ResponseStore | None = None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.client = client
@@ -163,6 +175,8 @@ class Director:
         self._salted = _salted_models(cfg.engines)
         self.default_output_tokens = cfg.gateway.default_output_tokens
         self._background: set[asyncio.Task[object]] = set()
+        self.responses = responses or ResponseStore(
+            MemoryByteStore(cfg.gateway.cache.max_bytes, clock), cfg.gateway.cache.responses_ttl_s)
 
     # ------------------------------------------------------------------ reload
 
@@ -265,7 +279,8 @@ class Director:
     def _output_cap(self, req: InferenceRequest) -> int:
         """Tokens ``req`` may generate per sequence: its output cap, else the
         gateway's ``default_output_tokens``."""
-        return req.max_output_tokens or self.default_output_tokens
+        cap = req.max_output_tokens
+        return self.default_output_tokens if cap is None else cap
 
     def _sizing(self, tenant: TenantQuota, req: InferenceRequest) -> Sizing:
         return reservation_size(
@@ -278,8 +293,8 @@ class Director:
         token count (tools, tool calls and media parts included; exact where the
         model's tokenizer is known and nothing was added) and its blocks."""
         salt = req.body.get("cache_salt") if req.model in self._salted else None
-        m = await self.prompts.measure(req.model, PromptInput.from_body(req.body), salt,
-                                       large=req.large)
+        assert req.prompt is not None
+        m = await self.prompts.measure(req.model, req.prompt, salt, large=req.large)
         req.measured(m.tokens, m.blocks, exact=m.exact)
 
     # ------------------------------------------------------------------ placement
@@ -291,7 +306,7 @@ class Director:
                              blocks=req.blocks, block_size=self.prompts.block_size(req.model),
                              session_id=session_key(tenant.name, request.headers.get("x-session-id")))
         return Need(sched, tenant.priority, self._kv_tokens(req), arrived=arrived,
-                    splittable=req.sequences == 1,
+                    splittable=req.sequences == 1 and req.endpoint in ("chat", "completions"),
                     output_tokens=self._output_cap(req))
 
     def _no_engine(self, req: InferenceRequest) -> Rejected:
@@ -339,9 +354,9 @@ class Director:
         started = self.clock.now()
         tenant = request[TENANT]
         rec = request[RECORD]
-        rec.inference, rec.priority = True, tenant.priority
+        rec.inference, rec.priority, rec.endpoint = True, tenant.priority, endpoint
         try:
-            req = await self._parse(endpoint, await self._read_body(request))
+            req = await self._parse(endpoint, await self._read_body(request), tenant)
             rec.stream = req.stream
             self._check_model(tenant, req)
             rec.model = req.model  # a configured one: the client's name never becomes a label
@@ -360,7 +375,7 @@ class Director:
                 if hit is not None:
                     async with await self._reserve(tenant, 0, rec, concurrency=False):
                         return await self._answer_from_cache(request, req, hit, rec, started)
-            size = self._sizing(tenant, req)
+            size = self._sizing(tenant, req) if req.endpoint not in TOKEN_FREE else Sizing(0, 0)
             if req.max_output_tokens is None and tenant.tokens_per_min is not None:
                 # the quota holds only if the engine stops where the reservation does
                 req.set_output_cap(size.output // req.sequences)
@@ -382,15 +397,58 @@ class Director:
         except asyncio.CancelledError:
             rec.outcome = Outcome.CLIENT_DISCONNECTED
             raise
-    async def _parse(self, endpoint: Endpoint, raw: bytes) -> InferenceRequest:
-        """Parse and validate ``raw``; in a worker thread when it is over
-        ``gateway.offload_bytes`` (JSON parsing costs ~8 ns per byte: 50 ms for 6 MB),
-        which also marks the request ``large`` for the steps after it."""
-        if len(raw) <= self.cfg.gateway.offload_bytes:
-            return parse_request(endpoint, parse_json(raw))
-        req = await asyncio.to_thread(lambda: parse_request(endpoint, parse_json(raw)))
-        req.large = True
+    async def _parse(self, endpoint: Endpoint, raw: bytes,
+                     tenant: TenantQuota) -> InferenceRequest:
+        """Parse and validate ``raw`` (a Responses body's ``previous_response_id``
+        expanded first: :meth:`_expand_conversation`); in a worker thread when it is
+        over ``gateway.offload_bytes`` (JSON parsing costs ~8 ns per byte: 50 ms for
+        6 MB), which also marks the request ``large`` for the steps after it."""
+        large = len(raw) > self.cfg.gateway.offload_bytes
+        body = await asyncio.to_thread(parse_json, raw) if large else parse_json(raw)
+        if endpoint == "responses":
+            body = await self._expand_conversation(tenant, body)
+        req = (await asyncio.to_thread(parse_request, endpoint, body) if large
+               else parse_request(endpoint, body))
+        req.large = large
         return req
+
+    async def _expand_conversation(self, tenant: TenantQuota,
+                                   body: dict) -> dict:
+        """A Responses body with ``previous_response_id`` replaced by the stored
+        conversation it names, prepended to its ``input`` (the engine is sent the
+        whole conversation; :mod:`cache.conversations`).
+
+        Raises:
+            Rejected: 404 ``not_found`` when the tenant has no such stored response;
+                503 when the store cannot be read.
+        """
+        previous = body.get("previous_response_id")
+        if not isinstance(previous, str) or not previous or len(previous) > 256:
+            return body  # absent, or the body's validation names it
+        try:
+            history = await self.responses.history(tenant.namespace, previous)
+        except STORE_ERRORS as e:
+            raise Rejected(Outcome.OVERLOADED, "The conversation store is unavailable; retry "
+                           "shortly.", retry_after_s=NO_ENGINE_RETRY_S,
+                           reason="conversation_store") from e
+        if history is None:
+            raise Rejected(Outcome.NOT_FOUND, f"Previous response with id '{previous}' not "
+                           "found.", param="previous_response_id")
+        out = {k: v for k, v in body.items() if k != "previous_response_id"}
+        out["input"] = [*history, *input_items(body.get("input"))]
+        return out
+
+    async def _remember(self, tenant: TenantQuota, req: InferenceRequest,
+                        answer: dict) -> None:
+        """Keep a finished Responses answer for follow-ups (unless ``store: false``);
+        a store failure is logged, the answer still goes out."""
+        if req.body.get("store") is False:
+            return
+        try:
+            await self.responses.put(tenant.namespace, input_items(req.body.get("input")),
+                                     answer)
+        except STORE_ERRORS as e:
+            log.warning("response %s not stored: %r", answer.get("id"), e)
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The request body, which must arrive within ``timeouts.request_body_s``.
@@ -419,7 +477,8 @@ class Director:
     def _cache_request(self, request: web.Request, tenant: TenantQuota,
                        req: InferenceRequest) -> CacheRequest | None:
         """The cache's view of ``req``, or None when the cache is off."""
-        if self.cache is None or not self.cache.cfg.enabled:
+        if self.cache is None or not self.cache.cfg.enabled \
+                or req.endpoint not in CACHED_ENDPOINTS:
             return None
         no_cache, no_store = _cache_control(request)
         return CacheRequest(namespace=tenant.namespace, tenant=tenant.cache,
@@ -436,7 +495,7 @@ class Director:
         looked up did not ask for that cut. An answer that stopped by itself is the
         same under any larger cap, so it is stored."""
         assert self.cache is not None
-        if creq.no_store or not request_cacheable(creq.body, creq.tenant):
+        if creq.no_store or not request_cacheable(creq.body, creq.tenant, req.endpoint):
             return  # what ResponseCache.store would decide, without a task per request
         if req.model != creq.model:
             return
@@ -608,14 +667,17 @@ class Director:
             result = await self.client.send(
                 engine, req, request, headers, upstream,
                 functools.partial(_call_all, callbacks) if callbacks else None,
-                priority=PRIORITIES.index(tenant.priority) if engine.priority_scheduling else None)
+                priority=PRIORITIES.index(tenant.priority) if engine.priority_scheduling else None,
+                on_answer=functools.partial(self._remember, tenant, req)
+                if req.endpoint == "responses" else None)
         if ledger is not None:
             rec.predicted_ttft_s = flight.predicted_ttft_s
             ok = result.outcome is Outcome.OK
             ledger.finished(flight, completion_tokens=result.completion_tokens,
                             prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
-                            ok=ok and prefilled is None, streamed=req.stream)
-            if ok:
+                            ok=ok and prefilled is None and req.generates,
+                            streamed=req.stream)
+            if ok and req.generates:
                 uncached = flight.uncached_tokens if result.cached_tokens is None \
                     else max(0, result.prompt_tokens - result.cached_tokens)
                 mix = self.mix.get(engine.model)  # None: the model left with a reload

@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from gateway.endpoints import anthropic_error_body
 from limits.outcome import Outcome, Rejected
 
 
@@ -38,19 +39,26 @@ def retry_after_header(outcome: Outcome, retry_after_s: float | None) -> dict[st
     return {"Retry-After": str(seconds)}
 
 
-def error_response(rej: Rejected) -> web.Response:
-    """The HTTP response for a :class:`Rejected`."""
+def error_response(rej: Rejected, *, anthropic: bool = False) -> web.Response:
+    """The HTTP response for a :class:`Rejected`; in Anthropic's error shape
+    (:func:`gateway.endpoints.anthropic_error_body`) when ``anthropic``."""
+    body = anthropic_error_body(rej.outcome.status, rej.message) if anthropic \
+        else error_body(rej.outcome, rej.message, rej.param)
     return web.Response(
         status=rej.outcome.status,
-        text=json.dumps(error_body(rej.outcome, rej.message, rej.param)),
+        text=json.dumps(body),
         content_type="application/json",
         headers=retry_after_header(rej.outcome, rej.retry_after_s),
     )
 
 
-def sse_error_event(outcome: Outcome, message: str) -> bytes:
+def sse_error_event(outcome: Outcome, message: str, *, anthropic: bool = False) -> bytes:
     """An SSE ``data:`` event carrying an OpenAI error object, sent when a stream
-    fails after its first byte (no ``[DONE]`` follows it)."""
+    fails after its first byte (no ``[DONE]`` follows it); Anthropic's ``event:
+    error`` when ``anthropic``."""
+    if anthropic:
+        return (b"event: error\ndata: " + json.dumps(anthropic_error_body(
+            outcome.status, message)).encode() + b"\n\n")
     return b"data: " + json.dumps(error_body(outcome, message)).encode() + b"\n\n"
 
 

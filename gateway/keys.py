@@ -18,6 +18,7 @@ from engines.supervisor import Supervisor
 from gateway.auth import TenantDirectory
 from gateway.batch_runner import BatchRunner
 from gateway.metrics import GatewayMetrics
+from gateway.models import ModelCards
 from gateway.record import Observer, RequestRecord
 from gateway.reload import ConfigReloader
 from gateway.stats import StatsFeed
@@ -59,6 +60,8 @@ SUPERVISOR = web.AppKey("supervisor", Supervisor)
 DIRECTOR: web.AppKey[Director] = web.AppKey("director")
 #: this process's Batch API runner and its job store (with ``batch.enabled``)
 RUNNER = web.AppKey("batch_runner", BatchRunner)
+#: ``/v1/models`` entries as the engines describe their models
+MODEL_CARDS = web.AppKey("model_cards", ModelCards)
 
 # per-request keys
 REQUEST_ID = web.RequestKey("request_id", str)

@@ -5,7 +5,9 @@ Request-level series are recorded once per finished request from its
 :class:`~gateway.record.RequestRecord`; fleet gauges (engines, queues) are read from
 the engine pool and the admission queues at scrape time, so nothing is counted twice.
 Label cardinality is bounded: ``tenant`` is a configured tenant, ``anonymous`` or
-``unknown``; ``model`` a configured model or ``unknown``; no ids or prompts.
+``unknown``; ``model`` a configured model or ``unknown``; ``endpoint`` one of
+:data:`gateway.openai_api.PATHS`' keys or ``other`` (a path that is no inference
+endpoint); no ids or prompts.
 
 Histogram buckets: TTFT and request duration span 10 ms – 10 min (CPU engines and long
 generations), TPOT 5 ms – 1 s (vLLM's own ``vllm:inter_token_latency_seconds`` uses a
@@ -76,7 +78,7 @@ class GatewayMetrics:
         self.semantic = semantic
         r = self.registry
         self.requests = Counter("sluice_requests", "Requests by outcome.",
-                                ["tenant", "model", "outcome", "status"], registry=r)
+                                ["tenant", "model", "endpoint", "outcome", "status"], registry=r)
         self.duration = Histogram("sluice_request_duration_seconds", "Request duration.",
                                   ["model", "engine"], buckets=DURATION_BUCKETS, registry=r)
         self.ttft = Histogram("sluice_ttft_seconds", "Time to first token.",
@@ -94,10 +96,10 @@ class GatewayMetrics:
         self.degraded = Counter("sluice_degraded", "Degradation actions applied.",
                                 ["model", "action"], registry=r)
         self.tokens = Counter("sluice_tokens", "Tokens processed by engines.",
-                              ["tenant", "model", "kind"], registry=r)
+                              ["tenant", "model", "endpoint", "kind"], registry=r)
         self.cached_tokens = Counter("sluice_cached_tokens",
                                      "Tokens answered from the response cache (replayed usage).",
-                                     ["tenant", "model", "kind"], registry=r)
+                                     ["tenant", "model", "endpoint", "kind"], registry=r)
         self.overshoot = Counter("sluice_output_overshoot_tokens",
                                  "Completion tokens generated beyond the output tokens reserved.",
                                  ["tenant"], registry=r)
@@ -126,7 +128,9 @@ class GatewayMetrics:
         """Record one finished request."""
         model = self._model(rec.model)
         engine = rec.engine or "none"
-        self._series(self.requests, rec.tenant, model, rec.outcome.value, str(rec.status)).inc()
+        endpoint = rec.endpoint or "other"
+        self._series(self.requests, rec.tenant, model, endpoint, rec.outcome.value,
+                     str(rec.status)).inc()
         if rec.outcome in REJECTIONS:
             self._series(self.rejected, rec.tenant, rejection_reason(rec)).inc()
         if not rec.inference:
@@ -142,8 +146,8 @@ class GatewayMetrics:
         if rec.outcome not in (Outcome.OK, Outcome.CACHE_HIT, Outcome.CLIENT_DISCONNECTED):
             return
         tokens = self.cached_tokens if rec.outcome is Outcome.CACHE_HIT else self.tokens
-        self._series(tokens, rec.tenant, model, "prompt").inc(rec.prompt_tokens)
-        self._series(tokens, rec.tenant, model, "completion").inc(rec.completion_tokens)
+        self._series(tokens, rec.tenant, model, endpoint, "prompt").inc(rec.prompt_tokens)
+        self._series(tokens, rec.tenant, model, endpoint, "completion").inc(rec.completion_tokens)
         if rec.engine and rec.outcome is not Outcome.CACHE_HIT:
             self.output_tokens[rec.engine] = self.output_tokens.get(rec.engine, 0) \
                 + rec.completion_tokens

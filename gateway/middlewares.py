@@ -22,6 +22,7 @@ from opentelemetry.trace import SpanKind
 
 from gateway.auth import presented_key
 from gateway.batch_runner import INTERNAL_HEADER, TENANT_HEADER, batch_tenant, is_internal
+from gateway.endpoints import anthropic_path
 from gateway.errors import error_response
 from gateway.keys import CLOCK, CONFIG, OBSERVERS, RECORD, REQUEST_ID, SPANS, TENANT, TENANTS
 from gateway.record import RequestRecord
@@ -82,18 +83,31 @@ def route_of(request: web.Request) -> str:
 
 
 def _error(request: web.Request, exc: BaseException, rid: str) -> web.Response:
+    return error_response(_rejection(request, exc, rid), anthropic=anthropic_path(request.path))
+
+
+def _rejection(request: web.Request, exc: BaseException, rid: str) -> Rejected:
     if isinstance(exc, Rejected):
-        return error_response(exc)
+        return exc
     if isinstance(exc, web.HTTPException):
         outcome, message = _HTTP_OUTCOMES.get(
             exc.status, (Outcome.INVALID_REQUEST, exc.reason or "Bad request."))
         if exc.status == 413:
             limit = request.app[CONFIG].gateway.max_body_bytes
             message = f"Request body is larger than the limit of {limit} bytes."
-        return error_response(Rejected(outcome, message))
+        return Rejected(outcome, message)
     log.error("unhandled error in request %s", rid, exc_info=exc)
-    return error_response(Rejected(
-        Outcome.INTERNAL_ERROR, f"Internal error; see the gateway log for request id {rid}."))
+    return Rejected(
+        Outcome.INTERNAL_ERROR, f"Internal error; see the gateway log for request id {rid}.")
+
+
+#: Paths outside ``/v1/`` that are API calls (vLLM's tokenizer endpoints).
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
+def api_path(path: str) -> bool:
+    """Whether ``path`` is an API call: authenticated, recorded, observed."""
+    return path.startswith("/v1/") or path in TOKENIZER_PATHS
 
 
 @web.middleware
@@ -104,7 +118,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     rec = RequestRecord(request_id=rid, path=route_of(request), started=clock.now(),
                         client_request_id=client_request_id(request))
     request[RECORD] = rec
-    if not request.path.startswith("/v1/"):
+    if not api_path(request.path):
         return await _run(request, handler, rec)
     spans = request.app[SPANS]
     parent = PROPAGATOR.extract(request.headers) if spans.enabled else None
@@ -147,7 +161,7 @@ async def _run(request: web.Request, handler: Handler, rec: RequestRecord) -> we
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Resolve the tenant for ``/v1/`` paths; other paths are public or check their
     own (admin) key."""
-    if request.path.startswith("/v1/"):
+    if api_path(request.path):
         internal = request.headers.get(INTERNAL_HEADER)
         if internal is None:
             tenant = request.app[TENANTS].resolve(presented_key(request), request.remote)

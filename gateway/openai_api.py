@@ -1,9 +1,13 @@
-"""OpenAI request bodies: validation of the fields the gateway interprets, and the
-:class:`InferenceRequest` the pipeline works on.
+"""Request bodies of every inference endpoint: validation of the fields the gateway
+interprets, and the :class:`InferenceRequest` the pipeline works on — the request side
+of the endpoint adapters (the answer side, usage and stream events, is
+:mod:`gateway.endpoints`).
 
-Only the fields below are checked; every other field (tools, tool_choice,
-response_format, logprobs, n, seed, …) is forwarded to the engine untouched, in the
-body exactly as the client sent it.
+Endpoints (:data:`PATHS`, the engine path each is forwarded to): OpenAI ``chat``,
+``completions``, ``responses``, ``embeddings``; Anthropic ``messages`` and
+``count_tokens``; vLLM's ``tokenize`` and ``detokenize``. Only the fields below are
+checked; every other field (tools, tool_choice, response_format, logprobs, n, seed,
+…) is forwarded to the engine untouched, in the body exactly as the client sent it.
 """
 
 from __future__ import annotations
@@ -15,11 +19,32 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engines.prompt import PromptInput
 from limits.degrade import Rung
 from limits.outcome import Outcome, Rejected
 
-Endpoint = Literal["chat", "completions"]
-PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+Endpoint = Literal["chat", "completions", "responses", "messages", "count_tokens",
+                   "embeddings", "tokenize", "detokenize"]
+PATHS: dict[Endpoint, str] = {
+    "chat": "/v1/chat/completions", "completions": "/v1/completions",
+    "responses": "/v1/responses", "messages": "/v1/messages",
+    "count_tokens": "/v1/messages/count_tokens", "embeddings": "/v1/embeddings",
+    "tokenize": "/tokenize", "detokenize": "/detokenize",
+}
+#: Endpoints whose answer is generated text (the others generate nothing: their output
+#: cap is 0 and the engines' latency models learn nothing from them).
+GENERATES: frozenset[Endpoint] = frozenset({"chat", "completions", "responses", "messages"})
+#: Endpoints that cost no tokens of the tenant's tokens/min (only requests/min).
+TOKEN_FREE: frozenset[Endpoint] = frozenset({"count_tokens", "tokenize", "detokenize"})
+#: The output-length field of the generating endpoints other than chat/completions
+#: (OpenAI Responses ``max_output_tokens``; Anthropic Messages ``max_tokens``).
+OUTPUT_FIELDS: dict[Endpoint, str] = {"responses": "max_output_tokens",
+                                      "messages": "max_tokens"}
+#: The field that holds the prompt, named in errors about it.
+PROMPT_PARAMS: dict[Endpoint, str] = {
+    "chat": "messages", "completions": "prompt", "responses": "input",
+    "messages": "messages", "count_tokens": "messages", "embeddings": "input",
+    "tokenize": "prompt", "detokenize": "tokens"}
 
 
 class _Open(BaseModel):
@@ -55,7 +80,72 @@ class CompletionBody(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
 
 
-BODIES: dict[Endpoint, type[_Common]] = {"chat": ChatBody, "completions": CompletionBody}
+class _Base(_Open):
+    model: str = Field(min_length=1)
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+
+
+class ResponsesBody(_Base):
+    """OpenAI Responses ``POST /v1/responses``."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    previous_response_id: str | None = Field(None, min_length=1, max_length=256)
+    background: bool | None = None
+    store: bool | None = None
+
+
+class AnthropicMessage(_Open):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class CountTokensBody(_Open):
+    """Anthropic ``POST /v1/messages/count_tokens``."""
+
+    model: str = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+
+
+class MessagesBody(CountTokensBody):
+    """Anthropic ``POST /v1/messages``: ``max_tokens`` is required, as Anthropic's."""
+
+    max_tokens: int = Field(ge=1)
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+
+
+class EmbeddingsBody(_Open):
+    """OpenAI ``POST /v1/embeddings``."""
+
+    model: str = Field(min_length=1)
+    input: str | list[str] | list[int] | list[list[int]]
+
+
+class TokenizeBody(_Open):
+    """vLLM ``POST /tokenize``: a ``prompt`` or chat ``messages``."""
+
+    model: str = Field(min_length=1)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeBody(_Open):
+    """vLLM ``POST /detokenize``."""
+
+    model: str = Field(min_length=1)
+    tokens: list[int]
+
+
+BODIES: dict[Endpoint, type[_Open]] = {
+    "chat": ChatBody, "completions": CompletionBody, "responses": ResponsesBody,
+    "messages": MessagesBody, "count_tokens": CountTokensBody, "embeddings": EmbeddingsBody,
+    "tokenize": TokenizeBody, "detokenize": DetokenizeBody}
 
 
 def _param(loc: tuple[Any, ...]) -> str:
@@ -108,8 +198,14 @@ def output_cap(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[str, int | 
     ``max_completion_tokens`` when it is set (not null), else ``max_tokens``
     (``ChatCompletionRequest.build_tok_params`` / ``serving.py``); completions read
     ``max_tokens`` only and ignore ``max_completion_tokens``
-    (``CompletionRequest.to_sampling_params``).
+    (``CompletionRequest.to_sampling_params``); Responses read ``max_output_tokens``,
+    Anthropic Messages ``max_tokens`` (:data:`OUTPUT_FIELDS`); the endpoints that
+    generate nothing (:data:`GENERATES`) have a cap of 0.
     """
+    if endpoint not in GENERATES:
+        return PROMPT_PARAMS[endpoint], 0  # nothing to lower but the input
+    if endpoint in OUTPUT_FIELDS:
+        return OUTPUT_FIELDS[endpoint], body.get(OUTPUT_FIELDS[endpoint])
     if endpoint == "chat" and body.get("max_completion_tokens") is not None:
         return "max_completion_tokens", body["max_completion_tokens"]
     return "max_tokens", body.get("max_tokens")
@@ -121,6 +217,8 @@ def set_output_cap(endpoint: Endpoint, body: dict[str, Any], tokens: int) -> str
     contradictory values. Returns the field written."""
     field, _ = output_cap(endpoint, body)
     body[field] = tokens
+    if endpoint in OUTPUT_FIELDS:
+        return field
     body.pop("max_tokens" if field == "max_completion_tokens" else "max_completion_tokens", None)
     return field
 
@@ -163,6 +261,8 @@ class InferenceRequest:
         blocks: chained KV-block hashes of the prompt (prefix routing), or ().
         large: the body is over ``gateway.offload_bytes``: work that grows with it
             (tokenising, hashing, serialising) runs in a worker thread.
+        prompt: what the engine tokenizes, as chat messages or a prompt (the
+            Responses and Messages inputs as the chat messages they render as).
     """
 
     endpoint: Endpoint
@@ -175,6 +275,16 @@ class InferenceRequest:
     prompt_exact: bool = False
     blocks: tuple[int, ...] = ()
     large: bool = False
+    prompt: PromptInput | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt is None:
+            self.prompt = PromptInput.from_body(self.body)
+
+    @property
+    def generates(self) -> bool:
+        """The answer is generated text (:data:`GENERATES`)."""
+        return self.endpoint in GENERATES
 
     @property
     def output_field(self) -> str:
@@ -193,7 +303,7 @@ class InferenceRequest:
 
     @property
     def prompt_param(self) -> str:
-        return "messages" if self.endpoint == "chat" else "prompt"
+        return PROMPT_PARAMS[self.endpoint]
 
     def measured(self, tokens: int | None, blocks: tuple[int, ...], *, exact: bool) -> None:
         """Record the tokenizer's view of the prompt (:class:`engines.prompt.Measured`):
@@ -248,22 +358,63 @@ def parse_request(endpoint: Endpoint, body: dict[str, Any]) -> InferenceRequest:
             f"Invalid value for '{param}': {err['msg']}." if param else err["msg"],
             param=param or None,
         ) from None
-    if isinstance(parsed, ChatBody):
-        text = "\n".join(_text_of(m.content) for m in parsed.messages)
-        tokens = estimate_tokens(text) + 4 * len(parsed.messages)
+    messages = _as_messages(parsed)
+    prompt: PromptInput | None = None
+    if messages is not None:
+        text = "\n".join(_text_of(m["content"]) for m in messages)
+        tokens = estimate_tokens(text) + 4 * len(messages)
+        prompt = PromptInput(messages=messages) if not isinstance(parsed, ChatBody) else None
+    elif isinstance(parsed, DetokenizeBody):
+        text, tokens = "", len(parsed.tokens)
+        prompt = PromptInput(prompt=parsed.tokens)
     else:
-        prompt = parsed.prompt
-        if isinstance(prompt, str):
-            text, tokens = prompt, estimate_tokens(prompt)
-        elif prompt and isinstance(prompt[0], str):
-            text = "\n".join(prompt)  # type: ignore[arg-type]
-            tokens = sum(estimate_tokens(p) for p in prompt)  # type: ignore[arg-type]
-        elif prompt and isinstance(prompt[0], list):
-            text, tokens = "", sum(len(p) for p in prompt)  # type: ignore[arg-type]
-        else:
-            text, tokens = "", len(prompt)
-    usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+        field = "input" if isinstance(parsed, EmbeddingsBody) else "prompt"
+        text, tokens = _prompt_size(getattr(parsed, field))
+        if field == "input":
+            prompt = PromptInput(prompt=parsed.input)  # type: ignore[attr-defined]
+    opts = getattr(parsed, "stream_options", None)
     return InferenceRequest(
-        endpoint=endpoint, body=dict(body), model=parsed.model, stream=parsed.stream,
-        client_usage=usage, prompt_text=text, prompt_tokens=tokens,
+        endpoint=endpoint, body=dict(body), model=parsed.model,
+        stream=bool(getattr(parsed, "stream", False)),
+        client_usage=bool(opts and opts.include_usage), prompt_text=text, prompt_tokens=tokens,
+        prompt=prompt,
     )
+
+
+def _prompt_size(prompt: Any) -> tuple[str, int]:
+    """The text and estimated tokens of a completions ``prompt`` or an embeddings
+    ``input``: a string, strings, token ids or lists of token ids."""
+    if prompt is None:
+        return "", 0
+    if isinstance(prompt, str):
+        return prompt, estimate_tokens(prompt)
+    if prompt and isinstance(prompt[0], str):
+        return "\n".join(prompt), sum(estimate_tokens(p) for p in prompt)
+    if prompt and isinstance(prompt[0], list):
+        return "", sum(len(p) for p in prompt)
+    return "", len(prompt)
+
+
+def _as_messages(parsed: _Open) -> list[dict[str, Any]] | None:
+    """The chat messages a body's prompt renders as (the engine renders Responses
+    and Messages inputs through the chat template, vLLM's
+    ``responses/utils.construct_input_messages`` and ``anthropic/serving.py``), or
+    None for a body whose prompt is not a chat."""
+    if isinstance(parsed, ChatBody) or (isinstance(parsed, TokenizeBody)
+                                        and parsed.messages is not None):
+        return [{"role": m.role, "content": m.content}
+                for m in parsed.messages]  # type: ignore[union-attr]
+    if isinstance(parsed, ResponsesBody):
+        out = [{"role": "system", "content": parsed.instructions}] if parsed.instructions else []
+        if isinstance(parsed.input, str):
+            return [*out, {"role": "user", "content": parsed.input}]
+        for item in parsed.input:
+            if "role" in item:
+                out.append({"role": item["role"], "content": item.get("content")})
+            elif "output" in item:  # a function_call_output
+                out.append({"role": "tool", "content": str(item["output"])})
+        return out
+    if isinstance(parsed, CountTokensBody):
+        out = [{"role": "system", "content": parsed.system}] if parsed.system else []
+        return out + [{"role": m.role, "content": m.content} for m in parsed.messages]
+    return None

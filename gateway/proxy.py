@@ -2,9 +2,13 @@
 
 Streaming answers are passed through as bytes: each network read is cut at SSE
 event boundaries (never inside a UTF-8 character) and written to the client at
-once, without decoding or re-encoding. The gateway always asks the engine for usage
-(``stream_options.include_usage``) and drops the usage-only chunk when the client
-did not ask for it.
+once, without decoding or re-encoding. For chat and completions the gateway always
+asks the engine for usage (``stream_options.include_usage``); when the client did not
+ask for it, the usage-only chunk is dropped and its other fields (vLLM's
+``system_fingerprint``) are put back on the chunks that finished a choice, as the
+engine writes them without ``include_usage`` (those chunks wait for the usage chunk).
+The other endpoints' streams carry their usage in their own events
+(:mod:`gateway.endpoints`).
 
 Timeouts (``config.schema.Timeouts``): connect; first token (the first generated
 output of a stream, or the whole answer when not streaming, bounded by
@@ -38,9 +42,10 @@ from opentelemetry import trace
 from config.schema import Timeouts
 from engines.kinds import KINDS
 from engines.pool import Engine
+from gateway.endpoints import stream_summary, usage_counts
 from gateway.errors import sse_error_event
-from gateway.openai_api import PATHS, InferenceRequest
-from gateway.sse import EventFramer, EventTooLarge, StreamSummary
+from gateway.openai_api import PATHS, TOKEN_FREE, InferenceRequest
+from gateway.sse import EventFramer, EventTooLarge, event_data
 from limits.interfaces import Clock
 from limits.outcome import Outcome, Rejected
 
@@ -166,12 +171,6 @@ class ProxyResult:
     cached_tokens: int | None = None
 
 
-def _cached_tokens(usage: Mapping[str, Any] | None) -> int | None:
-    details = (usage or {}).get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
-
-
 def _json_object(raw: bytes) -> dict[str, Any] | None:
     """``raw`` decoded when it is a JSON object, else None. msgspec decodes valid JSON
     as ``json.loads`` does (exact integers included), about 5× faster; ``json`` gets
@@ -186,10 +185,31 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _usage(usage: Mapping[str, Any] | None, prompt_est: int, streamed: int) -> tuple[int, int]:
-    if usage:
-        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
-    return prompt_est, streamed
+def _usage(req: InferenceRequest, usage: Mapping[str, Any] | None,
+           streamed: int) -> tuple[int, int, int | None]:
+    """(prompt, generated, cached) tokens of an answer: the engine's usage
+    (:func:`gateway.endpoints.usage_counts`), else the prompt estimate and the chunks
+    streamed; nothing for the endpoints that cost no tokens (:data:`TOKEN_FREE`)."""
+    if req.endpoint in TOKEN_FREE:
+        return 0, 0, None
+    counts = usage_counts(req.endpoint, usage)
+    return counts if counts is not None else (req.prompt_tokens, streamed, None)
+
+
+def _merge_trailer(held: list[bytes], trailer: Mapping[str, Any]) -> list[bytes]:
+    """The chunks in ``held`` with the fields of the usage-only ``trailer`` chunk that
+    they lack (not ``usage``, ``choices`` or ``metrics``, which ride on the usage
+    chunk only), re-encoded; a chunk that is not JSON is kept as it was."""
+    extra = {k: v for k, v in trailer.items() if k not in ("usage", "choices", "metrics")}
+    out = []
+    for ev in held:
+        obj = _json_object(event_data(ev))
+        if obj is None or all(k in obj for k in extra):
+            out.append(ev)
+            continue
+        obj.update({k: v for k, v in extra.items() if k not in obj})
+        out.append(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+    return out
 
 
 #: Engine statuses that blame the client's request (vLLM answers 400 for a prompt
@@ -295,7 +315,7 @@ class EngineClient:
             body = {k: v for k, v in body.items() if k != "priority"}
             if priority is not None:
                 body["priority"] = priority
-        if req.stream:
+        if req.stream and req.endpoint in ("chat", "completions"):
             opts = dict(body.get("stream_options") or {})
             opts["include_usage"] = True
             body = {**body, "stream_options": opts}
@@ -342,7 +362,9 @@ class EngineClient:
                    response_headers: Mapping[str, str],
                    upstream_headers: Mapping[str, str] = {},
                    on_first_token: Callable[[], None] | None = None,
-                   priority: int | None = None) -> ProxyResult:
+                   priority: int | None = None,
+                   on_answer: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+                   ) -> ProxyResult:
         """Send ``req`` to ``engine`` and relay the answer to ``request``'s client;
         ``on_first_token`` is called when the first generated output arrives (for a
         non-streaming answer: when the whole answer arrives). ``priority``: vLLM's
@@ -386,10 +408,13 @@ class EngineClient:
         if not req.stream:
             if on_first_token is not None:
                 on_first_token()
-            return self._finish_json(req, raw, start, response_headers)
+            result = self._finish_json(req, raw, start, response_headers)
+            if on_answer is not None and result.answer is not None:
+                await on_answer(result.answer)
+            return result
         try:
             return await self._relay_stream(engine, req, resp, request, start, response_headers,
-                                            on_first_token)
+                                            on_first_token, on_answer)
         finally:
             resp.close()
 
@@ -399,26 +424,34 @@ class EngineClient:
         if answer is None:
             raise UpstreamFailed(Outcome.UPSTREAM_ERROR, "engine sent invalid JSON",
                                  retryable=True)
-        prompt, completion = _usage(answer.get("usage"), req.prompt_tokens, 0)
-        reasons = [c.get("finish_reason") for c in answer.get("choices") or ()]
+        prompt, completion, cached = _usage(req, answer.get("usage"), 0)
+        reasons = [c.get("finish_reason") for c in answer.get("choices") or ()] + [
+            answer.get("stop_reason") if req.endpoint == "messages" else None,
+            answer.get("status") if req.endpoint == "responses" else None]
         return ProxyResult(
             outcome=Outcome.OK,
             response=web.Response(body=raw, content_type="application/json", headers=headers),
             prompt_tokens=prompt, completion_tokens=completion,
             ttft_s=self.clock.now() - start, answer=answer,
-            cached_tokens=_cached_tokens(answer.get("usage")),
-            finish_reasons=[r for r in reasons if r],
+            cached_tokens=cached,
+            finish_reasons=[r for r in reasons if isinstance(r, str) and r],
         )
 
     async def _relay_stream(self, engine: Engine, req: InferenceRequest,
                             resp: aiohttp.ClientResponse, request: web.Request, start: float,
                             headers: Mapping[str, str],
-                            on_first_token: Callable[[], None] | None) -> ProxyResult:
+                            on_first_token: Callable[[], None] | None,
+                            on_answer: Callable[[dict[str, Any]], Awaitable[None]] | None,
+                            ) -> ProxyResult:
         t = self.timeouts
         loop = asyncio.get_running_loop()
         end_at = loop.time() + t.total_s if t.total_s else float("inf")
         framer = EventFramer(self.max_event_bytes)
-        summary = StreamSummary(chat=req.endpoint == "chat")
+        summary = stream_summary(req.endpoint)
+        #: chat/completions without the client's include_usage: the engine's usage
+        #: chunk is dropped, and the chunks that finish a choice wait for its fields
+        trailer = req.endpoint in ("chat", "completions") and not req.client_usage
+        held: list[bytes] = []
         ttft: float | None = None
         out = _RelayResponse(status=200, headers={**SSE_HEADERS, **headers})
         out.write_timeout_s = t.client_write_s
@@ -437,10 +470,21 @@ class EngineClient:
                     keep = []
                     for ev in events:
                         obj = summary.observe(ev)
-                        if obj is not None and not req.client_usage and obj.get("usage") \
-                                and not obj.get("choices"):
-                            continue  # the usage-only chunk the client did not ask for
+                        if trailer and obj is not None:
+                            if obj.get("usage") and not obj.get("choices"):
+                                keep += _merge_trailer(held, obj)  # the usage-only chunk
+                                held = []
+                                continue
+                            if any(c.get("finish_reason") for c in obj.get("choices") or ()):
+                                held.append(ev)
+                                continue
+                        if held and summary.done:  # [DONE] without a usage chunk
+                            keep += held
+                            held = []
                         keep.append(ev)
+                    if summary.done and on_answer is not None and not summary.error \
+                            and (answer := summary.to_response()) is not None:
+                        await on_answer(answer)
                     if ttft is None and (summary.content_chunks or summary.finish_reasons):
                         ttft = self.clock.now() - start
                         trace.get_current_span().add_event("first_token")
@@ -487,7 +531,8 @@ class EngineClient:
             message = message or ("The engine stopped responding mid-stream." if outcome is
                                   Outcome.UPSTREAM_TIMEOUT else "The engine failed mid-stream.")
             try:
-                await out.write(sse_error_event(outcome, message))
+                await out.write(sse_error_event(outcome, message,
+                                                anthropic=req.endpoint == "messages"))
             except ConnectionResetError:
                 outcome = Outcome.CLIENT_DISCONNECTED
         if prepared and outcome is not Outcome.CLIENT_DISCONNECTED:
@@ -495,11 +540,11 @@ class EngineClient:
                 await out.write_eof()
             except ConnectionResetError:
                 outcome = Outcome.CLIENT_DISCONNECTED
-        prompt, completion = _usage(summary.usage, req.prompt_tokens, summary.content_chunks)
+        prompt, completion, cached = _usage(req, summary.usage, summary.content_chunks)
         return ProxyResult(
             outcome=outcome, response=out, prompt_tokens=prompt, completion_tokens=completion,
             ttft_s=ttft, answer=summary.to_response() if outcome is Outcome.OK else None,
             finish_reasons=list(summary.finish_reasons.values()),
-            cached_tokens=_cached_tokens(summary.usage),
+            cached_tokens=cached,
         )
 

@@ -23,7 +23,8 @@ class RequestRecord:
     ``reserved_output_tokens`` is the output part of the tokens/min reservation
     (tokens; None when nothing was reserved, e.g. a cache hit); ``prefill_s`` is a
     split request's prefill leg (s, included in ``ttft_s``); ``predicted_ttft_s`` the
-    adaptive admission's TTFT̂ at send time.
+    adaptive admission's TTFT̂ at send time; ``endpoint`` the inference endpoint
+    (:data:`gateway.openai_api.Endpoint`), None for other paths.
 
     Nothing a client controls is kept unbounded: ``request_id`` is the gateway's
     own; ``client_request_id`` the client's ``x-request-id``, cut and sanitised
@@ -34,6 +35,7 @@ class RequestRecord:
     request_id: str
     client_request_id: str | None = None
     path: str = ""
+    endpoint: str | None = None
     tenant: str = UNKNOWN
     priority: str = "standard"
     model: str | None = None

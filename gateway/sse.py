@@ -132,6 +132,17 @@ def generated(choice: dict[str, Any], chat: bool) -> bool:
     return isinstance(delta, dict) and any(v for k, v in delta.items() if k != "role")
 
 
+def parse_event(payload: bytes) -> dict[str, Any] | None:
+    """An event payload's JSON object, or None (``[DONE]``, empty, not an object)."""
+    if not payload or payload == b"[DONE]":
+        return None
+    try:
+        obj = _loads(payload)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 @dataclass
 class StreamSummary:
     """What was seen in a stream so far.

@@ -31,7 +31,12 @@ from config.schema import ObservabilityConfig
 from gateway.record import RequestRecord
 
 PROPAGATOR = TraceContextTextMapPropagator()
-OPERATION = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+#: Inference endpoint → OpenTelemetry GenAI ``gen_ai.operation.name`` (semantic
+#: conventions: ``chat``, ``text_completion``, ``embeddings``, ``generate_content``;
+#: the others by the endpoint's own name).
+OPERATION = {"chat": "chat", "completions": "text_completion", "responses": "chat",
+             "messages": "chat", "embeddings": "embeddings", "count_tokens": "count_tokens",
+             "tokenize": "tokenize", "detokenize": "detokenize"}
 
 
 class _NoSpan:
@@ -93,8 +98,9 @@ def finish_span(span: Span, rec: RequestRecord) -> None:
     """Name the request's server span and set its attributes from ``rec``."""
     if not span.is_recording():
         return
-    op = OPERATION.get(rec.path)
+    op = OPERATION.get(rec.endpoint or "")
     if op and rec.model:
+        span.set_attribute("sluice.endpoint", rec.endpoint or "")
         span.update_name(f"{op} {rec.model}")
         span.set_attribute("gen_ai.operation.name", op)
         span.set_attribute("gen_ai.request.model", rec.model)

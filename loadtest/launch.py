@@ -65,11 +65,18 @@ class RunningGateway:
             total += t.user + t.system
         return total
 
-    def engine_urls(self) -> list[str]:
-        """``http://127.0.0.1:PORT`` of each engine process the gateway launched."""
+    def engine_urls(self, model: str | None = None) -> list[str]:
+        """``http://127.0.0.1:PORT`` of each engine process the gateway launched (only
+        those serving ``model``, by vLLM's ``--served-model-name`` or llama-server's
+        ``--alias``, when given: the
+        shipped config also launches an embedding engine)."""
         urls = set()
         for proc in self.engine_processes():
             cmd = proc.cmdline()
+            names = {cmd[i + 1] for i, a in enumerate(cmd[:-1])
+                     if a in ("--served-model-name", "--alias")}  # vLLM, llama-server
+            if model is not None and model not in names:
+                continue
             urls.add(f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}")
         return sorted(urls)
 

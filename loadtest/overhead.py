@@ -11,7 +11,10 @@ Three paths on loopback in front of the same instant engine stand-in
   in-memory limits, the cache as shipped, the stand-in as an ``external`` engine).
 
 Cells: closed-loop concurrency 1, 16 and 64 non-streaming (``c1``, ``c16``,
-``c64``) and 16 streaming with 64 content chunks (``stream16``). Requests use the
+``c64``) and 16 streaming with 64 content chunks (``stream16``), all chat
+completions; ``responses``: 64 non-streaming OpenAI Responses requests
+(``/v1/responses``, the same 64-token answer), whose gateway CPU per request
+``ratio_responses_chat_cpu`` compares with the chat ``c64`` cell's. Requests use the
 default temperature, so the response cache is consulted but never answers (the
 cost measured is the pipeline's, not a cache hit's).
 
@@ -72,7 +75,9 @@ import yaml
 PATHS = ("direct", "passthrough", "gateway")
 CELLS: dict[str, tuple[int, bool]] = {"c1": (1, False), "c16": (16, False),
                                       "c64": (64, False), "stream16": (16, True),
-                                      "long": (16, False)}
+                                      "responses": (64, False), "long": (16, False)}
+#: The path each cell posts to (the others: chat completions).
+CELL_PATHS = {"responses": "/v1/responses"}
 LONG_MODEL = "stand-in-long"
 #: The gateway variant without the turn cache (the "before" of the long cell).
 NO_TURN_CACHE = "gateway_no_turn_cache"
@@ -116,7 +121,10 @@ def long_bodies(worker: int) -> Iterator[bytes]:
         conv += 1
 
 
-def request_body(stream: bool) -> bytes:
+def request_body(stream: bool, path: str = "/v1/chat/completions") -> bytes:
+    if path == "/v1/responses":
+        return json.dumps({"model": MODEL, "max_output_tokens": CHUNKS,
+                           "input": "Say something short."}).encode()
     body: dict[str, Any] = {"model": MODEL, "max_tokens": CHUNKS,
                             "messages": [{"role": "user", "content": "Say something short."}]}
     if stream:
@@ -153,6 +161,7 @@ async def _passthrough(port: int, upstream: str) -> None:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handler)
     app.router.add_post("/v1/completions", handler)
+    app.router.add_post("/v1/responses", handler)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -169,7 +178,7 @@ async def _generate(url: str, concurrency: int, stream: bool, warmup_s: float,
     (``long``: each sending :func:`long_bodies`); CPU is summed over ``pids``."""
     import aiohttp
 
-    fixed = request_body(stream)
+    fixed = request_body(stream, "/" + url.split("/", 3)[3])
     headers = {"Content-Type": "application/json"}
     lat: list[float] = []
     errors = 0
@@ -311,7 +320,8 @@ def gateway_config(directory: Path, engine_url: str, observability: bool,
 def _run_cell(url: str, pid: int, cell: str, warmup_s: float, duration_s: float,
               cpus: set[int] | None) -> dict[str, Any]:
     conc, stream = CELLS[cell]
-    cmd = [sys.executable, "-m", "loadtest.overhead", "generate", url + "/v1/chat/completions",
+    cmd = [sys.executable, "-m", "loadtest.overhead", "generate",
+           url + CELL_PATHS.get(cell, "/v1/chat/completions"),
            str(conc), "1" if stream else "0", str(warmup_s), str(duration_s),
            ",".join(map(str, tree_pids(pid))),
            "1" if cell == "long" else "0"]
@@ -412,6 +422,10 @@ def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pi
 
     gw_rps, pt_rps = get("gateway", "c64", "rps"), get("passthrough", "c64", "rps")
     doc["ratio_gateway_passthrough_c64"] = round(gw_rps / pt_rps, 3) if gw_rps and pt_rps else None
+    resp_cpu, chat_cpu = (get("gateway", "responses", "cpu_ms_per_req"),
+                          get("gateway", "c64", "cpu_ms_per_req"))
+    doc["ratio_responses_chat_cpu"] = round(resp_cpu / chat_cpu, 3) \
+        if resp_cpu and chat_cpu else None
     gw_p50, d_p50 = get("gateway", "c1", "p50_ms"), get("direct", "c1", "p50_ms")
     doc["added_p50_ms_c1"] = round(gw_p50 - d_p50, 3) if gw_p50 and d_p50 else None
     if WORKERS in paths:

@@ -438,7 +438,7 @@ def main(argv: list[str]) -> int:
                                    "standard, batch), for the overload run's bands")
         with tempfile.TemporaryDirectory(prefix="sluice-realprompts-") as tmp, \
                 gateway(_config_dir(Path(tmp), args.engine_kind)) as gw:
-            (engine,) = gw.engine_urls()
+            (engine,) = gw.engine_urls(args.model)
             result = asyncio.run(run(engine, gw.url, prompts, args, direct, every,
                                      gw.cpu_s))
     result = {"engine_kind": args.engine_kind, "direct_headers": direct, "limit": args.limit,

@@ -6,7 +6,8 @@ A raw asyncio HTTP/1.1 server (keep-alive, no pipelining) that answers instantly
 ``POST /v1/chat/completions`` and ``/v1/completions`` with a fixed answer (JSON, or
 SSE with ``--chunks`` content chunks, a finish chunk, the usage chunk when
 ``stream_options.include_usage`` is set, and ``[DONE]``; each event is written as
-its own chunked-encoding frame), ``GET /health``, ``GET /v1/models`` and
+its own chunked-encoding frame), ``POST /v1/responses`` (non-streaming: a completed
+OpenAI Responses object with the same text and usage), ``GET /health``, ``GET /v1/models`` and
 ``GET /metrics`` with vLLM's metric names (idle engine, a large KV cache), so the
 gateway's supervisor treats it as a ready ``external`` engine. Responses are built
 once at start-up; per request the server only parses the head and the JSON body, so
@@ -53,6 +54,16 @@ class Answers:
                 **base, "object": "text_completion",
                 "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
                 "usage": usage}).encode()),
+            "responses": _response(200, json.dumps({
+                "id": "resp_standin", "object": "response", "created_at": 1700000000,
+                "model": model, "status": "completed",
+                "output": [{"type": "message", "id": "msg_standin", "role": "assistant",
+                            "status": "completed", "content": [
+                                {"type": "output_text", "text": text, "annotations": []}]}],
+                "usage": {"input_tokens": 12, "input_tokens_details": {"cached_tokens": 0},
+                          "output_tokens": chunks,
+                          "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": 12 + chunks}}).encode()),
         }
         self.stream: dict[tuple[str, bool], list[bytes]] = {}
         for kind in ("chat", "completions"):
@@ -126,7 +137,9 @@ class StandInProtocol(asyncio.Protocol):
         method, _, rest = line.partition(b" ")
         path = rest.partition(b" ")[0].partition(b"?")[0]
         write = self.transport.write
-        if method == b"POST" and path in (b"/v1/chat/completions", b"/v1/completions"):
+        if method == b"POST" and path == b"/v1/responses":
+            write(a.json["responses"])
+        elif method == b"POST" and path in (b"/v1/chat/completions", b"/v1/completions"):
             kind = "chat" if path == b"/v1/chat/completions" else "completions"
             try:
                 req = json.loads(body)

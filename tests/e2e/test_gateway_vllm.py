@@ -38,7 +38,7 @@ def client(served: RunningGateway) -> openai.OpenAI:
 
 
 def test_models(client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, "all-minilm-l6-v2"]
 
 
 def test_chat(client):
@@ -80,7 +80,7 @@ def _running(engine_url: str) -> float:
 
 
 def test_client_disconnect_lowers_engine_running(served):
-    engine = served.engine_urls()[0]
+    (engine,) = served.engine_urls(MODEL)
     body = {"model": MODEL, "max_tokens": 1500, "stream": True, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Write a long story."}]}
     with httpx.Client(timeout=30) as http, \
@@ -93,12 +93,12 @@ def test_client_disconnect_lowers_engine_running(served):
 
 
 def test_engine_killed_is_restarted(served, client):
-    (victim,) = served.engine_processes()
+    (victim,) = [p for p in served.engine_processes() if MODEL in " ".join(p.cmdline())]
     victim.send_signal(signal.SIGKILL)
     wait_for_sync(lambda: httpx.get(served.url + "/ready", timeout=2).status_code == 503, 30,
                   "the killed engine to be marked unhealthy")
     served.wait_ready(300)
-    assert served.engine_processes()[0].pid != victim.pid
+    assert all(p.pid != victim.pid for p in served.engine_processes())
     r = client.chat.completions.create(model=MODEL, max_tokens=4,
                                        messages=[{"role": "user", "content": "Hi again"}])
     assert r.usage.completion_tokens > 0

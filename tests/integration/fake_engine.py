@@ -2,7 +2,10 @@
 for the failure modes the gateway must survive.
 
 It speaks the same API as vLLM (``/v1/chat/completions``, ``/v1/completions``,
-``/v1/models``, ``/health``, ``/metrics`` from the shared vLLM exposition writer) and records what it
+``/v1/responses``, Anthropic ``/v1/messages`` and ``/v1/messages/count_tokens``,
+``/v1/embeddings``, ``/tokenize``, ``/detokenize``, ``/v1/models``, ``/health``,
+``/metrics`` from the shared vLLM exposition writer; shapes as vLLM 0.32's, with a
+``system_fingerprint`` stamped as vLLM does when one is set) and records what it
 received. A chat answer may first stream ``reasoning`` (one word per
 ``reasoning_content`` delta; the JSON answer's ``message.reasoning_content``), and
 its ``reply`` words go in the delta field ``stream_field``: ``content``, or
@@ -35,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +76,7 @@ class FakeEngine:
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[CIMultiDict[str]] = field(default_factory=list)
     aborted: int = 0
+    system_fingerprint: str | None = None
     runner: web.AppRunner | None = None
     port: int = 0
     exposition: VllmExposition = field(init=False)
@@ -90,6 +95,12 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/responses", self._responses)
+        app.router.add_post("/v1/messages", self._messages)
+        app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         self.runner = web.AppRunner(app, handler_cancellation=True)
@@ -123,7 +134,9 @@ class FakeEngine:
         return web.Response(text="")
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": 1700000000, "owned_by": "vllm",
+            "root": f"/models/{self.model}", "parent": None, "max_model_len": 2048}]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.exposition.render(), content_type="text/plain")
@@ -202,9 +215,12 @@ class FakeEngine:
         for w in () if chat else self._words(body):
             out.append({**base, "choices": [{"index": 0, "text": w, "finish_reason": None}]})
         last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
-        out.append({**base, "choices": [{**last, "finish_reason": self.finish_reason}]})
-        if (body.get("stream_options") or {}).get("include_usage"):
-            out.append({**base, "choices": [], "usage": self._usage(body)})
+        usage = (body.get("stream_options") or {}).get("include_usage")
+        fp = {"system_fingerprint": self.system_fingerprint} if self.system_fingerprint else {}
+        out.append({**base, "choices": [{**last, "finish_reason": self.finish_reason}],
+                    **({} if usage else fp)})
+        if usage:
+            out.append({**base, "choices": [], "usage": self._usage(body), **fp})
         return [b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n" for c in out] + [
             b"data: [DONE]\n\n"]
 
@@ -240,3 +256,120 @@ class FakeEngine:
                 await asyncio.sleep(self.delay_s)
         await resp.write_eof()
         return resp
+
+    # ------------------------------------------------------- the other endpoints
+
+    async def _record(self, request: web.Request) -> dict[str, Any] | web.Response:
+        body = await request.json()
+        self.received.append(body)
+        self.headers.append(request.headers.copy())
+        if self.mode == "status":
+            err = {"message": self.error_message, "type": "BadRequestError", "param": None,
+                   "code": self.status}
+            return web.json_response({"error": err}, status=self.status,
+                                     headers=self.error_headers)
+        return body
+
+    @staticmethod
+    def _events(events: list[tuple[str, dict[str, Any]]]) -> bytes:
+        return b"".join(f"event: {name}\ndata: ".encode() + json.dumps(
+            obj, ensure_ascii=False).encode() + b"\n\n" for name, obj in events)
+
+    async def _sse(self, request: web.Request, payload: bytes) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(payload)
+        await resp.write_eof()
+        return resp
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        body = await self._record(request)
+        if isinstance(body, web.Response):
+            return body
+        if body.get("previous_response_id"):  # as vLLM without its response store
+            return web.json_response({"error": {"message": "Response not found",
+                                                "type": "invalid_request_error"}}, status=404)
+        words = self._words({"max_tokens": body.get("max_output_tokens")})
+        text = "".join(words)
+        rid = f"resp_{uuid.uuid4().hex}"
+        message = {"id": f"msg_{rid}", "type": "message", "role": "assistant",
+                   "status": "completed",
+                   "content": [{"type": "output_text", "text": text, "annotations": []}]}
+        response = {
+            "id": rid, "object": "response", "created_at": int(time.time()),
+            "model": body["model"], "status": "completed", "output": [message],
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "usage": {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": len(words),
+                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": 7 + len(words)}}
+        if not body.get("stream"):
+            return web.json_response(response)
+        head = {**response, "status": "in_progress", "output": [], "usage": None}
+        events = [("response.created", {"type": "response.created", "response": head,
+                                        "sequence_number": 0})]
+        events += [("response.output_text.delta", {
+            "type": "response.output_text.delta", "item_id": message["id"],
+            "output_index": 0, "content_index": 0, "delta": w, "logprobs": [],
+            "sequence_number": i + 1}) for i, w in enumerate(words)]
+        events.append(("response.completed", {"type": "response.completed",
+                                              "response": response,
+                                              "sequence_number": len(words) + 1}))
+        return await self._sse(request, self._events(events))
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        body = await self._record(request)
+        if isinstance(body, web.Response):
+            return body
+        words = self._words({"max_tokens": body.get("max_tokens")})
+        usage = {"input_tokens": 7, "output_tokens": len(words)}
+        message = {"id": "msg_fake", "type": "message", "role": "assistant",
+                   "model": body["model"], "content": [{"type": "text", "text": "".join(words)}],
+                   "stop_reason": "end_turn", "stop_sequence": None, "usage": usage}
+        if not body.get("stream"):
+            return web.json_response(message)
+        events = [("message_start", {"type": "message_start", "message": {
+            **message, "content": [], "stop_reason": None,
+            "usage": {"input_tokens": 7, "output_tokens": 0}}}),
+            ("content_block_start", {"type": "content_block_start", "index": 0,
+                                     "content_block": {"type": "text", "text": ""}})]
+        events += [("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                            "delta": {"type": "text_delta", "text": w}})
+                   for w in words]
+        events += [("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                   ("message_delta", {"type": "message_delta",
+                                      "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                                      "usage": usage}),
+                   ("message_stop", {"type": "message_stop"})]
+        return await self._sse(request, self._events(events))
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        body = await self._record(request)
+        return body if isinstance(body, web.Response) else web.json_response({"input_tokens": 7})
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        body = await self._record(request)
+        if isinstance(body, web.Response):
+            return body
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        tokens = sum(len(str(i).split()) for i in inputs)
+        return web.json_response({
+            "id": "embd-fake", "object": "list", "created": int(time.time()),
+            "model": body["model"],
+            "data": [{"object": "embedding", "index": i,
+                      "embedding": [len(str(x)) / 10, 0.5, -0.25]} for i, x in enumerate(inputs)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await self._record(request)
+        if isinstance(body, web.Response):
+            return body
+        tokens = [ord(c) for c in body.get("prompt") or ""]
+        return web.json_response({"count": len(tokens), "max_model_len": 2048,
+                                  "tokens": tokens, "token_strs": None})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await self._record(request)
+        if isinstance(body, web.Response):
+            return body
+        return web.json_response({"prompt": "".join(chr(t) for t in body["tokens"])})

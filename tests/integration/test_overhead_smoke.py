@@ -41,6 +41,7 @@ def test_overhead_json_shape(tmp_path: Path, observability: str) -> None:
             assert r["p50_ms"] <= r["p99_ms"]
     assert isinstance(doc["ratio_gateway_passthrough_c64"], float)
     assert isinstance(doc["added_p50_ms_c1"], float)
+    assert isinstance(doc["ratio_responses_chat_cpu"], float)
     assert doc["meta"]["observability"] == observability
 
 

@@ -11,7 +11,7 @@ from config.loader import ConfigError, load_config, load_file
 def test_shipped_config_is_valid():
     cfg = load_config()
     assert cfg.gateway.max_body_bytes == 8 * 1024 * 1024
-    assert cfg.engines.model_names() == ["gemma3-270m"]
+    assert cfg.engines.model_names() == ["gemma3-270m", "all-minilm-l6-v2"]
     assert cfg.tenants.allow_anonymous
 
 

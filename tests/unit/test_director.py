@@ -61,7 +61,8 @@ class FakeClient:
 
     async def send(self, engine: Engine, req: InferenceRequest, request: web.Request,
                    response_headers: Any, upstream_headers: Any = None,
-                   on_first_token: Any = None, priority: int | None = None) -> ProxyResult:
+                   on_first_token: Any = None, priority: int | None = None,
+                   on_answer: Any = None) -> ProxyResult:
         self.calls.append((engine.id, dict(req.body)))
         self.priorities.append(priority)
         self.entered.set()

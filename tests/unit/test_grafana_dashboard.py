@@ -14,7 +14,7 @@ PATH = Path(__file__).resolve().parents[2] / "config" / "grafana" / "sluice-dash
 
 #: The metrics the gateway exports (gateway/metrics.py) and their labels.
 METRICS: dict[str, set[str]] = {
-    "sluice_requests_total": {"tenant", "model", "outcome", "status"},
+    "sluice_requests_total": {"tenant", "model", "endpoint", "outcome", "status"},
     "sluice_request_duration_seconds_bucket": {"model", "engine", "le"},
     "sluice_ttft_seconds_bucket": {"model", "engine", "le"},
     "sluice_tpot_seconds_bucket": {"model", "engine", "le"},
@@ -22,8 +22,8 @@ METRICS: dict[str, set[str]] = {
     "sluice_queue_wait_seconds_bucket": {"model", "priority", "le"},
     "sluice_rejected_total": {"tenant", "reason"},
     "sluice_degraded_total": {"model", "action"},
-    "sluice_tokens_total": {"tenant", "model", "kind"},
-    "sluice_cached_tokens_total": {"tenant", "model", "kind"},
+    "sluice_tokens_total": {"tenant", "model", "endpoint", "kind"},
+    "sluice_cached_tokens_total": {"tenant", "model", "endpoint", "kind"},
     "sluice_cache_lookups_total": {"kind", "result"},
     "sluice_engine_up": {"engine", "model", "state"},
     "sluice_engine_kv_cache_usage_ratio": {"engine", "model"},
