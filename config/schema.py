@@ -327,9 +327,14 @@ class TenantsConfig(_Strict):
 #: ``EngineSpec.tokenizer`` value naming the dependency-free tokenizer the simulator
 #: uses (``engines.blocks.FallbackEncoder``).
 FALLBACK_TOKENIZER = "fallback"
-#: ``model_path`` / ``tokenizer`` value naming the packaged model, Gemma 3 270M
-#: (``engines.prepare`` builds it); the only ``packaged:`` model there is.
+#: ``model_path`` / ``tokenizer`` value naming the packaged generation model, Gemma 3
+#: 270M (``engines.prepare`` builds it).
 PACKAGED_GEMMA = "packaged:gemma3-270m"
+#: ``model_path`` value naming the packaged embedding model, all-MiniLM-L6-v2 (the
+#: semantic cache's; vLLM's pooling runner serves it as installed).
+PACKAGED_MINILM = "packaged:all-minilm-l6-v2"
+#: every ``packaged:`` model there is
+PACKAGED_MODELS = (PACKAGED_GEMMA, PACKAGED_MINILM)
 
 
 class KVEventsEndpointSpec(_Strict):
@@ -440,8 +445,9 @@ class EngineSpec(_Strict):
     @field_validator("model_path", "tokenizer")
     @classmethod
     def _packaged(cls, v: str | None) -> str | None:
-        if v is not None and v.startswith("packaged:") and v != PACKAGED_GEMMA:
-            raise ValueError(f"no packaged model {v!r}; the packaged model is {PACKAGED_GEMMA!r}")
+        if v is not None and v.startswith("packaged:") and v not in PACKAGED_MODELS:
+            raise ValueError(f"no packaged model {v!r}; the packaged models are "
+                             + ", ".join(repr(m) for m in PACKAGED_MODELS))
         return v
 
     @model_validator(mode="after")

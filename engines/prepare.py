@@ -32,12 +32,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from config.schema import PACKAGED_GEMMA
+from config.schema import PACKAGED_GEMMA, PACKAGED_MINILM
 
-#: ``model_path`` value that names the packaged embedding model (all-MiniLM-L6-v2, the
-#: semantic cache's): served by vLLM's pooling runner as it is installed, nothing to
-#: prepare.
-PACKAGED_MINILM = "packaged:all-minilm-l6-v2"
 #: Folder name of the prepared model inside the cache directory.
 MODEL_DIRNAME = "gemma3-270m"
 #: Written last inside a finished folder; bump ``RECIPE_VERSION`` to force a rebuild.

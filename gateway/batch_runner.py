@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import math
@@ -50,8 +49,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from batch.store import Claimed, JobStore, Progress
-from config.schema import PRIORITIES, BatchConfig, SloConfig, TenantQuota
+from config.schema import PRIORITIES, BatchConfig, SloConfig
 from engines.pool import Engine, EnginePool
+from gateway.internal import INTERNAL_HEADER, TENANT_HEADER, internal_secret
 from gateway.metrics import concurrency_limit
 from gateway.placement import Placer
 from limits.admission import AdmissionQueue
@@ -59,12 +59,6 @@ from limits.capacity import MixTracker
 
 log = logging.getLogger("sluice.batch")
 
-#: Headers of a line sent to this gateway: the shared secret and the tenant's name.
-INTERNAL_HEADER = "x-sluice-internal"
-TENANT_HEADER = "x-sluice-batch-tenant"
-#: The secret shared by this host's gateway processes (``--workers N`` sets it in
-#: the parent; a lone process draws its own).
-SECRET_ENV = "SLUICE_INTERNAL_SECRET"
 #: Time constant of a batch's lines/s estimate, s.
 RATE_TAU_S = 10.0
 #: Active batches exported per series on ``/metrics`` (the oldest first): a bound on
@@ -82,30 +76,6 @@ TTFT_SHARE = 0.5
 DEFAULT_PROMPT_TOKENS = 512
 #: Lines claimed per store round trip.
 CLAIM_CHUNK = 16
-
-
-def internal_secret() -> str:
-    """This host's secret for lines sent to the gateway itself (``SECRET_ENV``, set
-    once per process when absent)."""
-    return os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))
-
-
-def is_internal(presented: str | None) -> bool:
-    """Whether ``presented`` is this host's internal secret (constant time)."""
-    return presented is not None and hmac.compare_digest(
-        presented.encode(), internal_secret().encode())
-
-
-def batch_tenant(tenant: TenantQuota, cfg: BatchConfig) -> TenantQuota:
-    """``tenant`` as its batch lines run: the ``batch`` band, ``max_queue_wait_s``
-    from ``cfg``; with ``batch_tokens_per_min``, that budget under its own name
-    (``NAME:batch``, its own buckets) and no requests/min limit, the cache namespace
-    unchanged."""
-    update: dict[str, object] = {"priority": "batch", "max_queue_wait_s": cfg.max_queue_wait_s}
-    if tenant.batch_tokens_per_min is not None:
-        update |= {"name": f"{tenant.name}:batch", "tokens_per_min": tenant.batch_tokens_per_min,
-                   "requests_per_min": None, "cache_namespace": tenant.namespace}
-    return tenant.model_copy(update=update)
 
 
 @dataclass

@@ -16,7 +16,6 @@ from engines.pool import EnginePool
 from engines.scheduler import Scheduler
 from engines.supervisor import Supervisor
 from gateway.auth import TenantDirectory
-from gateway.batch_runner import BatchRunner
 from gateway.metrics import GatewayMetrics
 from gateway.models import ModelCards
 from gateway.record import Observer, RequestRecord
@@ -28,7 +27,8 @@ from limits.admission import AdmissionQueue
 from limits.interfaces import Clock, CounterStore
 from limits.rate_limit import RateLimiter
 
-if TYPE_CHECKING:  # the director reads the per-request keys below
+if TYPE_CHECKING:  # the director and the batch runner's pipeline read the keys below
+    from gateway.batch_runner import BatchRunner
     from gateway.director import Director
     from gateway.placement import Placement
 
@@ -59,7 +59,7 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 DIRECTOR: web.AppKey[Director] = web.AppKey("director")
 #: this process's Batch API runner and its job store (with ``batch.enabled``)
-RUNNER = web.AppKey("batch_runner", BatchRunner)
+RUNNER: web.AppKey[BatchRunner] = web.AppKey("batch_runner")
 #: ``/v1/models`` entries as the engines describe their models
 MODEL_CARDS = web.AppKey("model_cards", ModelCards)
 

@@ -21,9 +21,9 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind
 
 from gateway.auth import presented_key
-from gateway.batch_runner import INTERNAL_HEADER, TENANT_HEADER, batch_tenant, is_internal
 from gateway.endpoints import anthropic_path
 from gateway.errors import error_response
+from gateway.internal import INTERNAL_HEADER, TENANT_HEADER, batch_tenant, is_internal
 from gateway.keys import CLOCK, CONFIG, OBSERVERS, RECORD, REQUEST_ID, SPANS, TENANT, TENANTS
 from gateway.record import RequestRecord
 from gateway.tracing import PROPAGATOR, finish_span

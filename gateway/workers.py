@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config.schema import Config
-from gateway.batch_runner import internal_secret
+from gateway.internal import internal_secret
 
 log = logging.getLogger(__name__)
 

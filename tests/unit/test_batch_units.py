@@ -10,7 +10,8 @@ import pytest
 from config.schema import BatchConfig, QueueConfig, SloConfig, TenantQuota
 from engines.pool import Engine, EnginePool, EngineState
 from gateway.batch_api import window_s
-from gateway.batch_runner import BatchRunner, _Rate, batch_tenant, internal_secret, is_internal
+from gateway.batch_runner import BatchRunner, _Rate
+from gateway.internal import batch_tenant, internal_secret, is_internal
 from limits.admission import AdmissionQueue
 from limits.outcome import Rejected
 from tests.support import ManualClock
