@@ -259,7 +259,7 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory(prefix="sluice-burst-") as tmp:
             config = llamacpp_config(Path(tmp)) if args.engine_kind == "llamacpp" else None
             with gateway(config, log_path=args.json.with_suffix(".gateway.log")) as gw:
-                (engine,) = gw.engine_urls()
+                (engine,) = gw.engine_urls(args.model)  # not the embedding engine
                 result = asyncio.run(run(engine, gw.url, args))
     result = {"engine_kind": args.engine_kind, "clients": args.clients,
               "duration_s": args.duration_s, "max_tokens": args.max_tokens,

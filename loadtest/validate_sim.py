@@ -169,7 +169,8 @@ async def _run(args: argparse.Namespace) -> list[Row]:
         from loadtest.launch import gateway
 
         with gateway() as gw:
-            (args.real,) = gw.engine_urls()
+            # the generation engine (the shipped config also launches an embedding one)
+            (args.real,) = gw.engine_urls(args.model or "gemma3-270m")
             return await _run(args)
     proc = None
     sim_url = args.sim

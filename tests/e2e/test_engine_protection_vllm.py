@@ -43,13 +43,16 @@ def served(request, tmp_path_factory) -> Iterator[tuple[str, RunningGateway]]:
 
 
 def engine_stats(gw: RunningGateway) -> dict:
-    (engine,) = httpx.get(gw.url + "/admin/stats", timeout=10).json()["engines"]
+    """The generation engine's entry in ``/admin/stats`` (the shipped config also
+    launches an embedding engine)."""
+    (engine,) = [e for e in httpx.get(gw.url + "/admin/stats", timeout=10).json()["engines"]
+                 if e["model"] == MODEL]
     return engine
 
 
 def test_gateway_kv_capacity_is_the_engines(served) -> None:
     kind, gw = served
-    (url,) = gw.engine_urls()
+    (url,) = gw.engine_urls(MODEL)
     if kind == "vllm":
         text = httpx.get(url + "/metrics", timeout=10).text
         m = re.search(r'^vllm:cache_config_info\{[^}]*kv_cache_size_tokens="(\d+)"', text,
