@@ -1,8 +1,9 @@
 """The response cache as the gateway sees it: :class:`ResponseCache`.
 
-Per request the gateway builds a :class:`CacheRequest` and calls
-:meth:`ResponseCache.lookup` before rate limiting (exact first, then semantic) and
-:meth:`ResponseCache.store` once the complete answer is known. Which requests and
+Per request the gateway builds a :class:`CacheRequest` (:meth:`ResponseCache.request`)
+and calls :meth:`ResponseCache.lookup` before rate limiting (exact first, then
+semantic), answers a hit with :func:`replay`, and hands the complete answer to
+:meth:`ResponseCache.store_later` (or :meth:`ResponseCache.store`). Which requests and
 responses qualify is :mod:`cache.policy`; keys are :mod:`cache.keys`.
 """
 
@@ -14,12 +15,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
+from aiohttp import web
 
 from cache.embedder import BatchingEmbedder
 from cache.exact import ExactCache
 from cache.interfaces import ByteStore
 from cache.keys import EndpointKind, make_key
 from cache.policy import request_cacheable, response_storable
+from cache.replay import as_json, as_sse
 from cache.semantic import SemanticCache
 from cache.stores import MemoryByteStore, RedisByteStore
 from config.schema import CacheConfig, TenantCache
@@ -31,6 +34,12 @@ log = logging.getLogger(__name__)
 #: Failures of the shared store that make the cache step aside (fail open).
 STORE_ERRORS: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError,
                                                   asyncio.TimeoutError)
+
+
+def cache_control(header: str) -> tuple[bool, bool]:
+    """(no_cache, no_store) from a ``Cache-Control`` header's value."""
+    tokens = {t.strip().lower() for t in header.split(",")}
+    return "no-cache" in tokens, "no-store" in tokens
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,33 @@ class ResponseCache:
         self.cfg = cfg
         self.exact = exact
         self.semantic = semantic
+        self._background: set[asyncio.Task[object]] = set()
+
+    def request(self, *, namespace: str, tenant: TenantCache, endpoint: EndpointKind,
+                model: str, body: dict[str, Any], cache_control_header: str,
+                ) -> CacheRequest | None:
+        """The cache's view of one request (``body`` is copied), or None when the
+        cache is off; ``cache_control_header``: the request's ``Cache-Control``."""
+        if not self.cfg.enabled:
+            return None
+        no_cache, no_store = cache_control(cache_control_header)
+        return CacheRequest(namespace=namespace, tenant=tenant, endpoint=endpoint,
+                            model=model, body=dict(body), no_cache=no_cache,
+                            no_store=no_store)
+
+    def store_later(self, creq: CacheRequest, model: str, body: dict[str, Any],
+                    answer: dict[str, Any]) -> None:
+        """Store a finished answer off the response path (the semantic cache embeds
+        the question, ~20 ms on CPU); ``model`` and ``body``: what actually answered
+        (a fallback model, the final body)."""
+        if creq.no_store or not request_cacheable(body, creq.tenant):
+            return  # what store would decide, without a task per request
+        final = CacheRequest(namespace=creq.namespace, tenant=creq.tenant,
+                             endpoint=creq.endpoint, model=model, body=body,
+                             no_store=creq.no_store)
+        task = asyncio.create_task(self.store(final, answer))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def eligible(self, req: CacheRequest) -> bool:
         """Whether the cache is consulted at all (else the response says ``bypass``)."""
@@ -140,6 +176,21 @@ class ResponseCache:
             await self.semantic.close()
             await self.semantic.embedder.close()
         await self.exact.store.close()
+
+
+async def replay(request: web.Request, hit: CacheHit, endpoint: EndpointKind, model: str, *,
+                 stream: bool, include_usage: bool, headers: dict[str, str],
+                 sse_headers: dict[str, str]) -> web.StreamResponse:
+    """Answer ``request`` with a cached answer (:mod:`cache.replay`): a JSON body, or
+    for ``stream`` the SSE events (with ``sse_headers`` too), with ``headers``."""
+    if not stream:
+        return web.json_response(as_json(hit.response, endpoint, model), headers=headers)
+    out = web.StreamResponse(headers={**sse_headers, **headers})
+    await out.prepare(request)
+    await out.write(b"".join(as_sse(hit.response, endpoint, model,
+                                    include_usage=include_usage)))
+    await out.write_eof()
+    return out
 
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")

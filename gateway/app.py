@@ -55,6 +55,7 @@ from gateway.keys import (
     RELOADER,
     SCHEDULER,
     SESSION,
+    SLO_GATE,
     SPANS,
     STATS,
     STORE,
@@ -77,6 +78,7 @@ from limits.interfaces import Clock
 from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter
 from limits.saturation import SaturationDetector
+from limits.slo_gate import SloGate
 from limits.stores import open_store
 
 STARTED = int(time.time())
@@ -183,6 +185,10 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app[STORE] = open_store(limits.store_url, failure=limits.redis_failure,
                             timeout_s=limits.redis_timeout_s)  # connects lazily
     app[LIMITER] = RateLimiter(store=app[STORE], lease_ttl_s=limits.lease_ttl_s)
+    #: the SLO gate: the adaptive admission's ledgers and band demand (read by the
+    #: metrics, the stats feed and the capacity report; the director's placer decides)
+    app[SLO_GATE] = SloGate(slo=cfg.gateway.slo, adaptive=cfg.engines.saturation.adaptive,
+                            clock=clock, retry_after=lambda m: app[QUEUES][m].retry_after_s())
     metrics = GatewayMetrics(models=cfg.engines.model_names(),
                              semantic=cache_cfg.enabled and cache_cfg.semantic.enabled)
     app[METRICS] = metrics
@@ -191,7 +197,8 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
         pool=app[POOL], queues=app[QUEUES], metrics=metrics, store=app[STORE],
         limiter=app[LIMITER], tpot_target_s=tightest_tpot_s,
         desired_engines=lambda m: app[DIRECTOR].capacity.desired_engines(m) if DIRECTOR in app else None,
-        prefill_held=lambda: app[DIRECTOR].placer.disagg.queue.held if DIRECTOR in app else {}))
+        prefill_held=lambda: app[DIRECTOR].placer.disagg.queue.held if DIRECTOR in app else {},
+        gate=app[SLO_GATE]))
     app[OBSERVERS] = ([metrics.observe] if obs.metrics else []) + (
         [log_access] if obs.access_log else [])
     app[SPANS], app[TRACER_PROVIDER] = make_tracer(obs, span_exporter)
@@ -203,7 +210,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app[POOL].on_remove.append(metrics.forget_engine)
     app[STATS] = StatsFeed(metrics=metrics, pool=app[POOL], queues=app[QUEUES],
                            reloads=app[RELOADER].history if app[RELOADER] else (),
-                           tpot_target_s=tightest_tpot_s)
+                           tpot_target_s=tightest_tpot_s, gate=app[SLO_GATE])
     app[POOL].on_remove.append(app[STATS].forget_engine)
 
     app.cleanup_ctx.append(engines_ctx)
@@ -294,7 +301,7 @@ async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
                             max_event_bytes=cfg.gateway.max_event_bytes, clock=app[CLOCK]),
         limiter=app[LIMITER], queues=queues,
         detector=SaturationDetector.from_config(cfg.engines), cache=cache,
-        clock=app[CLOCK], spans=app[SPANS])
+        clock=app[CLOCK], spans=app[SPANS], gate=app[SLO_GATE])
 
     def kick() -> None:
         for q in queues.values():

@@ -17,38 +17,35 @@ from collections.abc import Callable
 from aiohttp import web
 from opentelemetry.trace import SpanKind
 
-from cache.policy import request_cacheable
-from cache.replay import as_json, as_sse
-from cache.service import CacheHit, CacheRequest, ResponseCache
-from config.schema import PRIORITIES, Config, DegradationConfig, EnginesConfig, TenantQuota
-from engines.kinds import accepts_cache_salt
+from cache.service import ResponseCache, replay
+from config.schema import PRIORITIES, Config, EnginesConfig, TenantQuota
 from engines.pool import Engine, EnginePool
-from engines.prompt import PromptBlocks, PromptInput, cache_salt
-from engines.scheduler import SchedRequest, Scheduler
+from engines.prompt import PromptBlocks, cache_salt
+from engines.scheduler import Scheduler
+from gateway.admission import Admission
+from gateway.attempts import first_success
 from gateway.capacity import CapacityReport
 from gateway.disagg import Disaggregator, PrefillLeg
 from gateway.keys import RECORD, TENANT
 from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_request
-from gateway.placement import Need, Placement, Placer
+from gateway.placement import Placement, Placer
 from gateway.prefill_queue import LegShed
 from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
 from gateway.record import RequestRecord
 from gateway.tracing import Spans, inject_traceparent
 from limits import capacity
 from limits.admission import AdmissionQueue
-from limits.degrade import DEGRADED_HEADER, ladder, shed
+from limits.degrade import DEGRADED_HEADER
 from limits.interfaces import Clock
 from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter, Reservation, Sizing, reservation_size
 from limits.saturation import SaturationDetector
+from limits.slo_gate import SloGate
 
 #: Request fields whose output a streamed answer, reassembled, would not keep
 #: (``StreamSummary.to_response`` rebuilds text only): such answers are not cached.
 STREAM_LOSSY = frozenset({"logprobs", "top_logprobs", "tools", "functions"})
 
-#: Retry-After, s, when no engine serving the model is ready (engines restart with
-#: backoff starting at 1 s; a few seconds is the honest order of magnitude).
-NO_ENGINE_RETRY_S = 5
 #: Response header naming a split request's prefill engine (``x-sluice-engine``
 #: names the engine that streamed the answer).
 PREFILL_ENGINE_HEADER = "x-sluice-prefill-engine"
@@ -82,22 +79,9 @@ def _split_models(engines: EnginesConfig) -> frozenset[str]:
     return frozenset(s.model for s in engines.engines if s.role == "prefill")
 
 
-def _salted_models(engines: EnginesConfig) -> set[str]:
-    """Models whose every engine accepts vLLM's ``cache_salt`` (when enabled)."""
-    return {m for m in engines.model_names()
-            if engines.scheduler.prefix.cache_salt
-            and all(accepts_cache_salt(s) for s in engines.engines if s.model == m)}
-
-
 def _gone(model: str) -> Rejected:
     return Rejected(Outcome.MODEL_NOT_FOUND,
                     f"The model '{model}' is no longer served.", param="model")
-
-
-def _cache_control(request: web.Request) -> tuple[bool, bool]:
-    """(no_cache, no_store) from ``Cache-Control``."""
-    tokens = {t.strip().lower() for t in request.headers.get("Cache-Control", "").split(",")}
-    return "no-cache" in tokens, "no-store" in tokens
 
 
 class Director:
@@ -121,7 +105,7 @@ class Director:
                  client: EngineClient, limiter: RateLimiter,
                  queues: dict[str, AdmissionQueue[Placement]], detector: SaturationDetector,
                  cache: ResponseCache | None, clock: Clock, spans: Spans | None = None,
-                 prompts: PromptBlocks | None = None) -> None:
+                 prompts: PromptBlocks | None = None, gate: SloGate | None = None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.client = client
@@ -131,29 +115,25 @@ class Director:
         self.clock = clock
         self.slo = cfg.gateway.slo
         self.adaptive = cfg.engines.saturation.adaptive
+        self.gate = gate or SloGate(slo=self.slo, adaptive=self.adaptive, clock=clock,
+                                    retry_after=lambda m: self.queues[m].retry_after_s())
         #: prefill–decode disaggregation, for models with prefill engines
         self.split_models = _split_models(cfg.engines)
         disagg = Disaggregator(cfg.engines.disaggregation, clock, tpot_target_s=min(
             self.slo.target(p).tpot_s for p in PRIORITIES))
         self.placer = Placer(pool=pool, scheduler=scheduler, detector=detector, clock=clock,
-                             disagg=disagg, split_models=self.split_models,
-                             slo=self.slo, adaptive=self.adaptive,
-                             retry_after=lambda m: self.queues[m].retry_after_s())
+                             disagg=disagg, split_models=self.split_models, gate=self.gate)
         #: per model, the mix of finished requests (the capacity report)
         self.mix = {m: capacity.MixTracker() for m in queues}
-        self.capacity = CapacityReport(pool=pool, placer=self.placer, mix=self.mix,
+        self.capacity = CapacityReport(pool=pool, gate=self.gate, mix=self.mix,
                                        slo=self.slo, adaptive=self.adaptive)
-        #: each served model's degradation ladder (model_settings builds a pydantic
-        #: object per call, too costly per request)
-        self._degradation: dict[str, DegradationConfig] = {
-            m: cfg.engines.model_settings(m).degradation for m in queues}
         self.spans = spans or Spans(None)
         self.prefill_leg = PrefillLeg(client, disagg, self.spans)
         self.prompts = prompts or PromptBlocks(cfg.engines, pool)
-        #: models whose every engine accepts vLLM's ``cache_salt``
-        self._salted = _salted_models(cfg.engines)
-        self.default_output_tokens = cfg.gateway.default_output_tokens
-        self._background: set[asyncio.Task[object]] = set()
+        self.admission = Admission(
+            engines=cfg.engines, queue=cfg.gateway.queue, pool=pool, placer=self.placer,
+            queues=queues, prompts=self.prompts, clock=clock, spans=self.spans,
+            default_output_tokens=cfg.gateway.default_output_tokens)
 
     # ------------------------------------------------------------------ reload
 
@@ -171,16 +151,15 @@ class Director:
         for model in set(self.queues) - set(models):
             self.queues.pop(model).close(functools.partial(_gone, model))
             del self.mix[model]
-            self.placer.demand.pop(model, None)
+            self.gate.drop_model(model)
         served = {m: self.queues.get(m) or AdmissionQueue(
             model=m, config=self.cfg.gateway.queue, clock=self.clock) for m in models}
         self.queues.clear()  # shared with the metrics and the stats feed: same dict
         self.queues.update(served)
         for model in models:
             self.mix.setdefault(model, capacity.MixTracker())
-        self._degradation = {m: engines.model_settings(m).degradation for m in models}
+        self.admission.set_engines(engines)
         self.split_models = self.placer.split_models = _split_models(engines)
-        self._salted = _salted_models(engines)
         self.prompts.set_engines(engines.engines)
         self.placer.scheduler.set_plugins(engines.scheduler)
         self.placer.detector = SaturationDetector.from_config(engines)
@@ -228,79 +207,11 @@ class Director:
                 param=req.output_field,
             )
 
-    def _kv_tokens(self, req: InferenceRequest) -> int:
-        """KV-cache tokens ``req`` may occupy: prompt + output cap (or the default) ×
-        sequences; sizes the queue ticket, the KV-block lease and the context check."""
-        return req.prompt_tokens + self._output_cap(req) * req.sequences
-
-    def _output_cap(self, req: InferenceRequest) -> int:
-        """Tokens ``req`` may generate per sequence: its output cap, else the
-        gateway's ``default_output_tokens``."""
-        return req.max_output_tokens or self.default_output_tokens
-
     def _sizing(self, tenant: TenantQuota, req: InferenceRequest) -> Sizing:
         return reservation_size(
             tenant, prompt_tokens=req.prompt_tokens, output_cap=req.max_output_tokens,
-            sequences=req.sequences, default_output_tokens=self.default_output_tokens,
+            sequences=req.sequences, default_output_tokens=self.cfg.gateway.default_output_tokens,
             output_param=req.output_field, prompt_param=req.prompt_param)
-
-    async def _measure(self, req: InferenceRequest) -> None:
-        """Tokenize the prompt once (off the event loop for a real tokenizer): its
-        exact token count, where the model's tokenizer is known, and its blocks."""
-        salt = req.body.get("cache_salt") if req.model in self._salted else None
-        m = await self.prompts.measure(req.model, PromptInput.from_body(req.body), salt)
-        req.measured(m.tokens, m.blocks)
-
-    # ------------------------------------------------------------------ placement
-
-    def _need(self, request: web.Request, req: InferenceRequest,
-              tenant: TenantQuota, arrived: float) -> Need:
-        sched = SchedRequest(model=req.model, tenant=tenant.name,
-                             prompt_tokens=req.prompt_tokens, priority=tenant.priority,
-                             blocks=req.blocks, block_size=self.prompts.block_size(req.model),
-                             session_id=request.headers.get("x-session-id") or None)
-        return Need(sched, tenant.priority, self._kv_tokens(req), arrived=arrived,
-                    splittable=req.sequences == 1,
-                    output_tokens=self._output_cap(req))
-
-    def _no_engine(self, req: InferenceRequest) -> Rejected:
-        return Rejected(Outcome.NO_ENGINE,
-                        f"No engine serving '{req.model}' is ready; retry shortly.",
-                        retry_after_s=NO_ENGINE_RETRY_S)
-
-    def _degrade(self, req: InferenceRequest, tenant: TenantQuota, rec: RequestRecord,
-                 max_wait_s: float) -> None:
-        """The degradation ladder for a sheddable request on a saturated model (one
-        whose queue is not empty or where no engine has room now): climb one rung at a
-        time (cap output, then fallback model) while still saturated; past the last
-        rung, shed the request if its predicted queue wait (tickets of its band and
-        more urgent ones / drain rate) exceeds what it may wait.
-
-        Raises:
-            Rejected: ``OVERLOADED`` (reason ``shed``) as described.
-        """
-        dcfg = self._degradation[req.model]
-        if tenant.priority not in dcfg.sheddable:
-            return
-        rungs = ladder(dcfg, tenant.priority)
-        if not rungs and not len(self.queues[req.model]):
-            return  # nothing to climb, and an empty queue predicts no wait: not shed
-
-        def saturated() -> bool:
-            return bool(len(self.queues[req.model])) or not self.placer.candidates(
-                req.model, tenant.priority, self._kv_tokens(req))
-
-        for rung in rungs:
-            if not saturated():
-                return
-            if rung.fallback_model is not None and rung.fallback_model not in self.queues:
-                break  # a fallback nobody serves
-            action = req.apply(rung)
-            if action is not None:
-                rec.degraded = (*rec.degraded, action)
-        queue = self.queues[req.model]
-        if len(queue) and queue.predicted_wait_s(tenant.priority) > max_wait_s:
-            raise shed(req.model, tenant.priority, queue.retry_after_s())
 
     # ------------------------------------------------------------------ pipeline
 
@@ -313,12 +224,15 @@ class Director:
             req = parse_request(endpoint, parse_json(await self._read_body(request)))
             rec.model, rec.stream = req.model, req.stream
             self._check_model(tenant, req)
-            if req.model in self._salted:  # before the cache key: lookup and store agree
+            if req.model in self.admission.salted:  # before the cache key: lookup and store agree
                 req.body["cache_salt"] = cache_salt(tenant.namespace, req.body.get("cache_salt"))
-            await self._measure(req)
+            await self.admission.measure(req)
             self._apply_tenant_caps(tenant, req)
             timeout_s = _request_timeout(request)
-            creq = self._cache_request(request, tenant, req)
+            creq = None if self.cache is None else self.cache.request(
+                namespace=tenant.namespace, tenant=tenant.cache, endpoint=req.endpoint,
+                model=req.model, body=req.body,
+                cache_control_header=request.headers.get("Cache-Control", ""))
             if creq is not None and self.cache.eligible(creq):  # type: ignore[union-attr]
                 rec.cache = "miss"
                 with self.spans("cache.lookup") as span:
@@ -326,7 +240,15 @@ class Director:
                     span.set_attribute("sluice.cache.hit", hit.kind if hit else "miss")
                 if hit is not None:
                     async with await self._reserve(tenant, 0, rec, concurrency=False):
-                        return await self._answer_from_cache(request, req, hit, rec, started)
+                        rec.cache, rec.outcome = f"hit-{hit.kind}", Outcome.CACHE_HIT
+                        usage = hit.response.get("usage") or {}
+                        rec.prompt_tokens = usage.get("prompt_tokens", 0)
+                        rec.completion_tokens = usage.get("completion_tokens", 0)
+                        rec.ttft_s = self.clock.now() - started
+                        return await replay(
+                            request, hit, req.endpoint, req.model, stream=req.stream,
+                            include_usage=req.client_usage, sse_headers=SSE_HEADERS,
+                            headers={"x-request-id": rec.request_id, "x-sluice-cache": rec.cache})
             size = self._sizing(tenant, req)
             if req.max_output_tokens is None and tenant.tokens_per_min is not None:
                 # the quota holds only if the engine stops where the reservation does
@@ -340,11 +262,13 @@ class Director:
                     await reservation.settle(rec.prompt_tokens + rec.completion_tokens)
             if creq is not None and result.answer is not None and not (
                     req.stream and STREAM_LOSSY.intersection(req.body)):
-                self._store_later(creq, req, result.answer)
+                self.cache.store_later(creq, req.model, req.body,  # type: ignore[union-attr]
+                                       result.answer)
             return result.response
         except asyncio.CancelledError:
             rec.outcome = Outcome.CLIENT_DISCONNECTED
             raise
+
     async def _read_body(self, request: web.Request) -> bytes:
         """The request body, which must arrive within ``timeouts.request_body_s``.
 
@@ -369,131 +293,57 @@ class Director:
             return await self.limiter.reserve(tenant, tokens, request_id=rec.request_id,
                                               concurrency=concurrency)
 
-    def _cache_request(self, request: web.Request, tenant: TenantQuota,
-                       req: InferenceRequest) -> CacheRequest | None:
-        """The cache's view of ``req``, or None when the cache is off."""
-        if self.cache is None or not self.cache.cfg.enabled:
-            return None
-        no_cache, no_store = _cache_control(request)
-        return CacheRequest(namespace=tenant.namespace, tenant=tenant.cache,
-                            endpoint=req.endpoint, model=req.model, body=dict(req.body),
-                            no_cache=no_cache, no_store=no_store)
-
-    def _store_later(self, creq: CacheRequest, req: InferenceRequest, answer: dict) -> None:
-        """Store a finished answer off the response path (the semantic cache embeds
-        the question, ~20 ms on CPU)."""
-        assert self.cache is not None
-        if creq.no_store or not request_cacheable(req.body, creq.tenant):
-            return  # what ResponseCache.store would decide, without a task per request
-        final = CacheRequest(namespace=creq.namespace, tenant=creq.tenant,
-                             endpoint=creq.endpoint, model=req.model, body=req.body,
-                             no_store=creq.no_store)
-        task = asyncio.create_task(self.cache.store(final, answer))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _answer_from_cache(self, request: web.Request, req: InferenceRequest,
-                                 hit: CacheHit, rec: RequestRecord,
-                                 started: float) -> web.StreamResponse:
-        rec.cache, rec.outcome = f"hit-{hit.kind}", Outcome.CACHE_HIT
-        usage = hit.response.get("usage") or {}
-        rec.prompt_tokens = usage.get("prompt_tokens", 0)
-        rec.completion_tokens = usage.get("completion_tokens", 0)
-        rec.ttft_s = self.clock.now() - started
-        headers = {"x-request-id": rec.request_id, "x-sluice-cache": rec.cache}
-        if not req.stream:
-            return web.json_response(as_json(hit.response, req.endpoint, req.model),
-                                     headers=headers)
-        out = web.StreamResponse(headers={**SSE_HEADERS, **headers})
-        await out.prepare(request)
-        await out.write(b"".join(as_sse(hit.response, req.endpoint, req.model,
-                                        include_usage=req.client_usage)))
-        await out.write_eof()
-        return out
-
     async def _admit_and_send(self, request: web.Request, req: InferenceRequest,
                               tenant: TenantQuota, rec: RequestRecord,
                               timeout_s: float | None, arrived: float) -> ProxyResult:
-        ready = [e for e in self.pool.for_model(req.model) if e.routable]
-        if not ready:
-            raise self._no_engine(req)
-        capacity = [e.num_blocks * e.block_size for e in ready if e.num_blocks and e.block_size]
-        kv = self._kv_tokens(req)
-        if capacity and len(capacity) == len(ready) and kv > max(capacity):
-            raise Rejected(Outcome.CONTEXT_LENGTH_EXCEEDED,
-                           f"This request needs about {kv} tokens of KV cache (prompt + max "
-                           f"output × sequences); the largest engine holds {max(capacity)}.",
-                           param=req.prompt_param)
-        max_wait = min(tenant.max_queue_wait_s or self.cfg.gateway.queue.default_max_wait_s,
-                       timeout_s or math.inf)
-        model = req.model
-        self.placer.band_demand(model).arrived(tenant.priority)
-        self._degrade(req, tenant, rec, max_wait)
-        if req.model != model:  # a fallback model: its own tokenizer and blocks
-            await self._measure(req)
-        need = self._need(request, req, tenant, arrived)
-        queue = self.queues[req.model]
-        ticket = queue.ticket(tenant, need.tokens, request_id=rec.request_id,
-                              timeout_s=timeout_s)
-        with self.spans("queue.wait") as span:
-            span.set_attribute("sluice.priority", tenant.priority)
-            span.set_attribute("sluice.queue_depth", len(queue))
-            waited_from = self.clock.now()
-            try:
-                first = await queue.admit(ticket, lambda _t: self.placer.place(need),
-                                          Placement.release)
-            finally:
-                rec.queue_s = self.clock.now() - waited_from
+        """Admit ``req`` (:meth:`gateway.admission.Admission.admit`), run a split
+        request's prefill leg, then the attempts (:func:`gateway.attempts.first_success`
+        over :meth:`gateway.placement.Placer.attempts`).
+
+        Raises:
+            Rejected: admission's refusals, a prefill shed, or the last attempt's error.
+        """
+        first = await self.admission.admit(
+            req, tenant, rec, arrived=arrived, timeout_s=timeout_s,
+            session_id=request.headers.get("x-session-id") or None)
+        assert first.need is not None
         prefilled: Engine | None = None
         if first.prefill is not None:
-            split_from = self.clock.now()
-            try:
-                req, prefilled = await self.prefill_leg.run(
-                    self.placer.prefill_attempts(first, need, self.cfg.gateway.retry_attempts),
-                    req, request, rec.request_id, first.uncached, first.start_by,
-                    first.sheddable)
-            except LegShed as e:
-                first.release()
-                raise self._prefill_shed(tenant, queue) from e
-            except asyncio.CancelledError:
-                rec.prompt_tokens = req.prompt_tokens  # the prefill engine computed it
-                first.release()
-                raise
-            except BaseException:
-                first.release()
-                raise
-            rec.prefill_s = self.clock.now() - split_from
-        failed: UpstreamFailed | None = None
-        for placement in self.placer.attempts(first, need, self.cfg.gateway.retry_attempts):
-            async with placement:
-                try:
-                    result = await self._send(request, req, rec, placement, prefilled,
-                                              tenant)
-                except UpstreamFailed as e:
-                    if e.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
-                        placement.engine.breaker.record(False)
-                    failed = e
-                    if not e.retryable:
-                        break
-                    continue
-                except LegShed as e:  # its local prefill, held past its latest start
-                    raise self._prefill_shed(tenant, queue) from e
-                except asyncio.CancelledError:
-                    rec.prompt_tokens = req.prompt_tokens  # the engine did the prefill
-                    raise
-                placement.engine.breaker.record(True)
-                return result
-        assert failed is not None
-        raise self._final_error(req, failed)
+            req, prefilled = await self._prefill(request, req, tenant, rec, first)
+        try:
+            result, failed = await first_success(
+                self.placer.attempts(first, first.need, self.cfg.gateway.retry_attempts),
+                lambda placement: self._send(request, req, rec, placement, prefilled, tenant))
+        except LegShed as e:  # its local prefill, held past its latest start
+            raise self.admission.prefill_shed(tenant, req.model) from e
+        except asyncio.CancelledError:
+            rec.prompt_tokens = req.prompt_tokens  # the engine did the prefill
+            raise
+        if result is None:
+            assert failed is not None
+            raise self._final_error(req, failed)
+        return result
 
-    def _prefill_shed(self, tenant: TenantQuota, queue: AdmissionQueue[Placement]) -> Rejected:
-        """The error of a request whose prefill was held at the gateway past its
-        latest start (:class:`gateway.prefill_queue.LegShed`)."""
-        target = self.slo.target(tenant.priority).ttft_s
-        return Rejected(Outcome.OVERLOADED,
-                        f"this {tenant.priority} request's prefill could not start "
-                        f"within its {target:g} s TTFT target any more; shed",
-                        retry_after_s=queue.retry_after_s(), reason="predicted_miss")
+    async def _prefill(self, request: web.Request, req: InferenceRequest, tenant: TenantQuota,
+                       rec: RequestRecord, first: Placement,
+                       ) -> tuple[InferenceRequest, Engine | None]:
+        """A split request's prefill leg, retried on other prefill engines
+        (:meth:`gateway.disagg.PrefillLeg.run`); ``first`` is released if it raises."""
+        assert first.need is not None
+        split_from = self.clock.now()
+        try:
+            out = await self.prefill_leg.run(
+                self.placer.prefill_attempts(first, first.need, self.cfg.gateway.retry_attempts),
+                req, request, rec.request_id, first.uncached, first.start_by, first.sheddable)
+        except BaseException as e:
+            first.release()
+            if isinstance(e, asyncio.CancelledError):
+                rec.prompt_tokens = req.prompt_tokens  # the prefill engine computed it
+            if isinstance(e, LegShed):
+                raise self.admission.prefill_shed(tenant, req.model) from e
+            raise
+        rec.prefill_s = self.clock.now() - split_from
+        return out
 
     async def _send(self, request: web.Request, req: InferenceRequest, rec: RequestRecord,
                     placement: Placement, prefilled: Engine | None,
@@ -523,7 +373,6 @@ class Director:
             headers[PREFIX_TOKENS_HEADER] = ", ".join(
                 f"{k}={v}" for k, v in placement.prefix_tokens.items())
         engine, flight = placement.engine, placement.flight
-        ledger = engine.latency if flight is not None else None
         if flight is not None:
             headers["x-sluice-ttft-predicted-ms"] = f"{flight.predicted_ttft_s * 1000:.1f}"
         # a whole request of a split model: its prompt is prefill queued on the engine
@@ -538,25 +387,16 @@ class Director:
             upstream = {"x-request-id": rec.request_id}
             if self.spans.enabled:
                 inject_traceparent(upstream)
-            callbacks = [f for f in (first_token, None if ledger is None else
-                                     functools.partial(ledger.first_token, flight))
-                         if f is not None]
+            callbacks = [f for f in (first_token, None if flight is None else
+                                     placement.first_token) if f is not None]
             result = await self.client.send(
                 engine, req, request, headers, upstream,
                 functools.partial(_call_all, callbacks) if callbacks else None,
                 priority=PRIORITIES.index(tenant.priority) if engine.priority_scheduling else None)
-        if ledger is not None:
+        if flight is not None:
             rec.predicted_ttft_s = flight.predicted_ttft_s
-            ok = result.outcome is Outcome.OK
-            ledger.finished(flight, completion_tokens=result.completion_tokens,
-                            prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
-                            ok=ok and prefilled is None, streamed=req.stream)
-            if ok:
-                uncached = flight.uncached_tokens if result.cached_tokens is None \
-                    else max(0, result.prompt_tokens - result.cached_tokens)
-                mix = self.mix.get(engine.model)  # None: the model left with a reload
-                if mix is not None:
-                    mix.observe(result.prompt_tokens, uncached, result.completion_tokens)
+            placement.finished(result, learn=prefilled is None, streamed=req.stream,
+                               mix=self.mix.get(engine.model))  # None: the model left
         rec.outcome = result.outcome
         rec.ttft_s = None if result.ttft_s is None else (rec.prefill_s or 0.0) + result.ttft_s
         rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens
@@ -569,5 +409,5 @@ class Director:
         if failed.outcome is Outcome.UPSTREAM_TIMEOUT:
             return Rejected(Outcome.UPSTREAM_TIMEOUT, "The engine did not answer in time.")
         if failed.outcome is Outcome.NO_ENGINE:
-            return self._no_engine(req)
+            return self.admission.no_engine(req)
         return Rejected(Outcome.UPSTREAM_ERROR, "The engine failed to answer; retry shortly.")
