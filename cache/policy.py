@@ -25,6 +25,11 @@ from config.schema import TenantCache
 STORABLE_FINISH_REASONS: frozenset[str] = frozenset({"stop", "length"})
 
 
+#: Request fields whose output a streamed answer, reassembled, would not keep
+#: (``StreamSummary.to_response`` rebuilds text only): such answers are not cached.
+STREAM_LOSSY = frozenset({"logprobs", "top_logprobs", "tools", "functions"})
+
+
 def is_deterministic(body: dict[str, Any]) -> bool:
     """True when ``body`` asks for temperature 0 explicitly or carries a ``seed``."""
     if body.get("seed") is not None:

@@ -21,7 +21,7 @@ from cache.embedder import BatchingEmbedder
 from cache.exact import ExactCache
 from cache.interfaces import ByteStore
 from cache.keys import EndpointKind, make_key
-from cache.policy import request_cacheable, response_storable
+from cache.policy import STREAM_LOSSY, request_cacheable, response_storable
 from cache.replay import as_json, as_sse
 from cache.semantic import SemanticCache
 from cache.stores import MemoryByteStore, RedisByteStore
@@ -104,10 +104,14 @@ class ResponseCache:
                             no_store=no_store)
 
     def store_later(self, creq: CacheRequest, model: str, body: dict[str, Any],
-                    answer: dict[str, Any]) -> None:
+                    answer: dict[str, Any], *, streamed: bool = False) -> None:
         """Store a finished answer off the response path (the semantic cache embeds
         the question, ~20 ms on CPU); ``model`` and ``body``: what actually answered
-        (a fallback model, the final body)."""
+        (a fallback model, the final body). A ``streamed`` answer reassembled from
+        its events is not stored when the request asked for fields the reassembly
+        drops (:data:`cache.policy.STREAM_LOSSY`)."""
+        if streamed and STREAM_LOSSY.intersection(body):
+            return
         if creq.no_store or not request_cacheable(body, creq.tenant):
             return  # what store would decide, without a task per request
         final = CacheRequest(namespace=creq.namespace, tenant=creq.tenant,

@@ -41,6 +41,12 @@ def salted_models(engines: EnginesConfig) -> set[str]:
             and all(accepts_cache_salt(s) for s in engines.engines if s.model == m)}
 
 
+def gone(model: str) -> Rejected:
+    """The error of a request for a model a reload removed (queued ones too)."""
+    return Rejected(Outcome.MODEL_NOT_FOUND,
+                    f"The model '{model}' is no longer served.", param="model")
+
+
 class Admission:
     """Admits requests for the served models; one per app (the Director's).
 

@@ -10,7 +10,7 @@ from typing import Protocol, TypeVar
 
 from engines.pool import Engine
 from gateway.proxy import UpstreamFailed
-from limits.outcome import Outcome
+from limits.outcome import Outcome, Rejected
 
 
 class Held(Protocol):
@@ -55,3 +55,16 @@ async def first_success(attempts: Iterable[H], send: Callable[[H], Awaitable[T]]
             held.engine.breaker.record(True)
             return result, None
     return None, failed
+
+
+def final_error(failed: UpstreamFailed, no_engine: Rejected) -> Rejected:
+    """The client's error once every attempt failed, the last with ``failed``:
+    the engine's own final answer when it gave one, else a timeout, ``no_engine``
+    (every engine unreachable) or a generic upstream error."""
+    if failed.final is not None:
+        return failed.final
+    if failed.outcome is Outcome.UPSTREAM_TIMEOUT:
+        return Rejected(Outcome.UPSTREAM_TIMEOUT, "The engine did not answer in time.")
+    if failed.outcome is Outcome.NO_ENGINE:
+        return no_engine
+    return Rejected(Outcome.UPSTREAM_ERROR, "The engine failed to answer; retry shortly.")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
 from collections.abc import Callable
 
 from aiohttp import web
@@ -22,29 +21,26 @@ from config.schema import PRIORITIES, Config, EnginesConfig, TenantQuota
 from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, cache_salt
 from engines.scheduler import Scheduler
-from gateway.admission import Admission
-from gateway.attempts import first_success
+from gateway.admission import Admission, gone
+from gateway.attempts import final_error, first_success
 from gateway.capacity import CapacityReport
-from gateway.disagg import Disaggregator, PrefillLeg
+from gateway.disagg import Disaggregator, PrefillLeg, split_models
+from gateway.intake import apply_tenant_caps, check_model, read_body, request_timeout, sizing
 from gateway.keys import RECORD, TENANT
 from gateway.openai_api import Endpoint, InferenceRequest, parse_json, parse_request
 from gateway.placement import Placement, Placer
 from gateway.prefill_queue import LegShed
-from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult, UpstreamFailed
+from gateway.proxy import SSE_HEADERS, EngineClient, ProxyResult
 from gateway.record import RequestRecord
 from gateway.tracing import Spans, inject_traceparent
 from limits import capacity
 from limits.admission import AdmissionQueue
 from limits.degrade import DEGRADED_HEADER
 from limits.interfaces import Clock
-from limits.outcome import Outcome, Rejected
-from limits.rate_limit import RateLimiter, Reservation, Sizing, reservation_size
+from limits.outcome import Outcome
+from limits.rate_limit import RateLimiter, Reservation
 from limits.saturation import SaturationDetector
 from limits.slo_gate import SloGate
-
-#: Request fields whose output a streamed answer, reassembled, would not keep
-#: (``StreamSummary.to_response`` rebuilds text only): such answers are not cached.
-STREAM_LOSSY = frozenset({"logprobs", "top_logprobs", "tools", "functions"})
 
 #: Response header naming a split request's prefill engine (``x-sluice-engine``
 #: names the engine that streamed the answer).
@@ -55,33 +51,9 @@ PREFILL_ENGINE_HEADER = "x-sluice-prefill-engine"
 PREFIX_TOKENS_HEADER = "x-sluice-prefix-tokens"
 
 
-def _request_timeout(request: web.Request) -> float | None:
-    raw = request.headers.get("x-request-timeout")
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (value > 0 and math.isfinite(value)):
-        raise Rejected(Outcome.INVALID_REQUEST, "x-request-timeout must be a positive number "
-                       "of seconds.", param="x-request-timeout")
-    return value
-
-
 def _call_all(callbacks: list[Callable[[], None]]) -> None:
     for callback in callbacks:
         callback()
-
-
-def _split_models(engines: EnginesConfig) -> frozenset[str]:
-    """Models with prefill engines (prefill–decode disaggregation)."""
-    return frozenset(s.model for s in engines.engines if s.role == "prefill")
-
-
-def _gone(model: str) -> Rejected:
-    return Rejected(Outcome.MODEL_NOT_FOUND,
-                    f"The model '{model}' is no longer served.", param="model")
 
 
 class Director:
@@ -118,7 +90,7 @@ class Director:
         self.gate = gate or SloGate(slo=self.slo, adaptive=self.adaptive, clock=clock,
                                     retry_after=lambda m: self.queues[m].retry_after_s())
         #: prefill–decode disaggregation, for models with prefill engines
-        self.split_models = _split_models(cfg.engines)
+        self.split_models = split_models(cfg.engines)
         disagg = Disaggregator(cfg.engines.disaggregation, clock, tpot_target_s=min(
             self.slo.target(p).tpot_s for p in PRIORITIES))
         self.placer = Placer(pool=pool, scheduler=scheduler, detector=detector, clock=clock,
@@ -149,7 +121,7 @@ class Director:
         self.cfg = self.cfg.model_copy(update={"engines": engines})
         models = engines.model_names()
         for model in set(self.queues) - set(models):
-            self.queues.pop(model).close(functools.partial(_gone, model))
+            self.queues.pop(model).close(functools.partial(gone, model))
             del self.mix[model]
             self.gate.drop_model(model)
         served = {m: self.queues.get(m) or AdmissionQueue(
@@ -159,7 +131,7 @@ class Director:
         for model in models:
             self.mix.setdefault(model, capacity.MixTracker())
         self.admission.set_engines(engines)
-        self.split_models = self.placer.split_models = _split_models(engines)
+        self.split_models = self.placer.split_models = split_models(engines)
         self.prompts.set_engines(engines.engines)
         self.placer.scheduler.set_plugins(engines.scheduler)
         self.placer.detector = SaturationDetector.from_config(engines)
@@ -174,45 +146,6 @@ class Director:
         self.placer.scheduler.index.forget(engine.id)
         self.placer.forget(engine)
 
-    # ------------------------------------------------------------------ checks
-
-    def _check_model(self, tenant: TenantQuota, req: InferenceRequest) -> None:
-        allowed = tenant.allowed_models
-        if req.model not in self.queues or (allowed is not None and req.model not in allowed):
-            raise Rejected(
-                Outcome.MODEL_NOT_FOUND,
-                f"The model '{req.model}' does not exist or you do not have access to it.",
-                param="model",
-            )
-
-    def _apply_tenant_caps(self, tenant: TenantQuota, req: InferenceRequest) -> None:
-        if tenant.max_prompt_tokens is not None and req.prompt_tokens > tenant.max_prompt_tokens:
-            about = "" if req.prompt_exact else "about "
-            raise Rejected(
-                Outcome.CONTEXT_LENGTH_EXCEEDED,
-                f"This request's prompt is {about}{req.prompt_tokens} tokens; your limit is "
-                f"{tenant.max_prompt_tokens} tokens.",
-                param=req.prompt_param,
-            )
-        cap = tenant.max_output_tokens
-        if cap is None:
-            return
-        asked = req.max_output_tokens
-        if asked is None:
-            req.set_output_cap(cap)
-        elif asked > cap:
-            raise Rejected(
-                Outcome.INVALID_REQUEST,
-                f"'{req.output_field}' is {asked}; your limit is {cap} tokens.",
-                param=req.output_field,
-            )
-
-    def _sizing(self, tenant: TenantQuota, req: InferenceRequest) -> Sizing:
-        return reservation_size(
-            tenant, prompt_tokens=req.prompt_tokens, output_cap=req.max_output_tokens,
-            sequences=req.sequences, default_output_tokens=self.cfg.gateway.default_output_tokens,
-            output_param=req.output_field, prompt_param=req.prompt_param)
-
     # ------------------------------------------------------------------ pipeline
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -221,14 +154,15 @@ class Director:
         rec = request[RECORD]
         rec.inference, rec.priority = True, tenant.priority
         try:
-            req = parse_request(endpoint, parse_json(await self._read_body(request)))
+            req = parse_request(endpoint, parse_json(await read_body(
+                request, self.cfg.gateway.timeouts.request_body_s)))
             rec.model, rec.stream = req.model, req.stream
-            self._check_model(tenant, req)
+            check_model(tenant, req, self.queues)
             if req.model in self.admission.salted:  # before the cache key: lookup and store agree
                 req.body["cache_salt"] = cache_salt(tenant.namespace, req.body.get("cache_salt"))
             await self.admission.measure(req)
-            self._apply_tenant_caps(tenant, req)
-            timeout_s = _request_timeout(request)
+            apply_tenant_caps(tenant, req)
+            timeout_s = request_timeout(request)
             creq = None if self.cache is None else self.cache.request(
                 namespace=tenant.namespace, tenant=tenant.cache, endpoint=req.endpoint,
                 model=req.model, body=req.body,
@@ -249,7 +183,7 @@ class Director:
                             request, hit, req.endpoint, req.model, stream=req.stream,
                             include_usage=req.client_usage, sse_headers=SSE_HEADERS,
                             headers={"x-request-id": rec.request_id, "x-sluice-cache": rec.cache})
-            size = self._sizing(tenant, req)
+            size = sizing(tenant, req, self.cfg.gateway.default_output_tokens)
             if req.max_output_tokens is None and tenant.tokens_per_min is not None:
                 # the quota holds only if the engine stops where the reservation does
                 req.set_output_cap(size.output // req.sequences)
@@ -260,31 +194,13 @@ class Director:
                                                         started)
                 finally:
                     await reservation.settle(rec.prompt_tokens + rec.completion_tokens)
-            if creq is not None and result.answer is not None and not (
-                    req.stream and STREAM_LOSSY.intersection(req.body)):
+            if creq is not None and result.answer is not None:
                 self.cache.store_later(creq, req.model, req.body,  # type: ignore[union-attr]
-                                       result.answer)
+                                       result.answer, streamed=req.stream)
             return result.response
         except asyncio.CancelledError:
             rec.outcome = Outcome.CLIENT_DISCONNECTED
             raise
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The request body, which must arrive within ``timeouts.request_body_s``.
-
-        Raises:
-            Rejected: 408 ``request_timeout`` (a client that stalls mid-body would
-                otherwise hold a connection, and shutdown, indefinitely).
-        """
-        if request.content.is_eof():  # all of it arrived with the head: nothing to wait for
-            return await request.read()
-        limit = self.cfg.gateway.timeouts.request_body_s
-        try:
-            async with asyncio.timeout(limit):
-                return await request.read()
-        except TimeoutError:
-            raise Rejected(Outcome.REQUEST_TIMEOUT,
-                           f"The request body did not arrive within {limit:g} s.") from None
 
     async def _reserve(self, tenant: TenantQuota, tokens: int, rec: RequestRecord, *,
                        concurrency: bool = True) -> Reservation:
@@ -321,7 +237,7 @@ class Director:
             raise
         if result is None:
             assert failed is not None
-            raise self._final_error(req, failed)
+            raise final_error(failed, self.admission.no_engine(req))
         return result
 
     async def _prefill(self, request: web.Request, req: InferenceRequest, tenant: TenantQuota,
@@ -377,22 +293,19 @@ class Director:
             headers["x-sluice-ttft-predicted-ms"] = f"{flight.predicted_ttft_s * 1000:.1f}"
         # a whole request of a split model: its prompt is prefill queued on the engine
         tracked = req.model in self.split_models and prefilled is None
-        held = None
-        if tracked:
-            with self.spans("queue.prefill"):
-                held = await self.placer.hold_local_prefill(placement)
-        with self.spans("upstream", kind=SpanKind.CLIENT) as span, \
-                self.placer.prefill_tracking(placement, tracked, held) as first_token:
-            span.set_attribute("sluice.engine", engine.id)
-            upstream = {"x-request-id": rec.request_id}
-            if self.spans.enabled:
-                inject_traceparent(upstream)
-            callbacks = [f for f in (first_token, None if flight is None else
-                                     placement.first_token) if f is not None]
-            result = await self.client.send(
-                engine, req, request, headers, upstream,
-                functools.partial(_call_all, callbacks) if callbacks else None,
-                priority=PRIORITIES.index(tenant.priority) if engine.priority_scheduling else None)
+        async with self.placer.local_prefill(placement, tracked, self.spans) as first_token:
+            with self.spans("upstream", kind=SpanKind.CLIENT) as span:
+                span.set_attribute("sluice.engine", engine.id)
+                upstream = {"x-request-id": rec.request_id}
+                if self.spans.enabled:
+                    inject_traceparent(upstream)
+                callbacks = [f for f in (first_token, None if flight is None else
+                                         placement.first_token) if f is not None]
+                result = await self.client.send(
+                    engine, req, request, headers, upstream,
+                    functools.partial(_call_all, callbacks) if callbacks else None,
+                    priority=PRIORITIES.index(tenant.priority) if engine.priority_scheduling
+                    else None)
         if flight is not None:
             rec.predicted_ttft_s = flight.predicted_ttft_s
             placement.finished(result, learn=prefilled is None, streamed=req.stream,
@@ -402,12 +315,3 @@ class Director:
         rec.prompt_tokens, rec.completion_tokens = result.prompt_tokens, result.completion_tokens
         rec.finish_reasons = result.finish_reasons
         return result
-
-    def _final_error(self, req: InferenceRequest, failed: UpstreamFailed) -> Rejected:
-        if failed.final is not None:
-            return failed.final
-        if failed.outcome is Outcome.UPSTREAM_TIMEOUT:
-            return Rejected(Outcome.UPSTREAM_TIMEOUT, "The engine did not answer in time.")
-        if failed.outcome is Outcome.NO_ENGINE:
-            return self.admission.no_engine(req)
-        return Rejected(Outcome.UPSTREAM_ERROR, "The engine failed to answer; retry shortly.")

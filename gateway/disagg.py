@@ -80,7 +80,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.trace import SpanKind
 
-from config.schema import DisaggregationConfig
+from config.schema import DisaggregationConfig, EnginesConfig
 from engines.pool import Engine, EngineLease
 from gateway.attempts import first_success
 from gateway.openai_api import InferenceRequest
@@ -222,6 +222,12 @@ class Choice:
     uncached: int
     alone_s: float
     observed: bool
+
+
+
+def split_models(engines: EnginesConfig) -> frozenset[str]:
+    """Models with prefill engines (prefill–decode disaggregation)."""
+    return frozenset(s.model for s in engines.engines if s.role == "prefill")
 
 
 class Disaggregator:

@@ -24,8 +24,8 @@ in the gate's ledger of its engine, which the placement feeds
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,7 @@ from engines.plugins import engine_load
 from engines.pool import Engine, EngineLease, EnginePool
 from engines.scheduler import SchedRequest, Scheduler
 from gateway.disagg import Disaggregator, role, serves_whole
+from gateway.tracing import Spans
 from limits.capacity import MixTracker
 from limits.engine_latency import Flight
 from limits.interfaces import Clock, ReadyEngine
@@ -393,6 +394,24 @@ class Placer:
             return None
         return await self.disagg.queue.admit(placement.engine, placement.uncached,
                                              placement.start_by, placement.sheddable)
+
+    @asynccontextmanager
+    async def local_prefill(self, placement: Placement, tracked: bool,
+                            spans: Spans) -> AsyncIterator[Callable[[], None] | None]:
+        """A ``tracked`` whole request's prefill on ``placement``'s engine: held
+        first where the policy holds local prefills (:meth:`hold_local_prefill`, in a
+        ``queue.prefill`` span), then counted while the request runs
+        (:meth:`prefill_tracking`, whose first-token callback it yields).
+
+        Raises:
+            LegShed: as :meth:`hold_local_prefill`.
+        """
+        held = None
+        if tracked:
+            with spans("queue.prefill"):
+                held = await self.hold_local_prefill(placement)
+        with self.prefill_tracking(placement, tracked, held) as first_token:
+            yield first_token
 
     @contextmanager
     def prefill_tracking(self, placement: Placement, tracked: bool,
