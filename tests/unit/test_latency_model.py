@@ -13,14 +13,10 @@ import pytest
 
 from limits import latency_model
 from limits.band_demand import BandDemand
-from limits.engine_latency import (
-    EngineLatency,
-    IntervalObservations,
-    decide,
-    interval_observations,
-)
+from limits.engine_latency import EngineLatency, decide
 from limits.gradient import GradientLimiter
 from limits.interfaces import EngineCounters
+from limits.intervals import IntervalObservations, interval_observations
 from limits.latency_model import LatencyModel, LatencyPrior, RecursiveLeastSquares
 
 
