@@ -604,7 +604,6 @@ def test_a_scrape_interval_that_a_prefill_may_touch_does_not_fit_tpot() -> None:
 
 def test_pool_feeds_scrapes_to_the_engines_latency_model() -> None:
     from engines.pool import Engine, EnginePool, MetricsSnapshot
-
     from limits.slo_gate import SloGate
 
     clock = FakeClock()
