@@ -3,8 +3,10 @@ request", each of which is owned by another module.
 
 Everything a request acquires (rate-limit reservation, concurrency slot, engine lease
 and its promised KV blocks) is held by an ``async with`` and released exactly once,
-whether it ends in success, error, timeout or client disconnect. Engine choice and
-leases live in :mod:`gateway.placement`; this module orchestrates.
+whether it ends in success, error, timeout or client disconnect. Intake checks live
+in :mod:`gateway.intake`, admission in :mod:`gateway.admission`, engine choice and
+leases in :mod:`gateway.placement`, the retry loop in :mod:`gateway.attempts`, the
+cache's lookup, store and replay in :mod:`cache.service`; this module orchestrates.
 """
 
 from __future__ import annotations
