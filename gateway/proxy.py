@@ -515,8 +515,8 @@ class EngineClient:
         except ConnectionResetError:
             outcome = Outcome.CLIENT_DISCONNECTED
         except asyncio.CancelledError:
-            raise ClientGone(*_usage(summary.usage, req.prompt_tokens,
-                                     summary.content_chunks)) from None
+            prompt, completion, _ = _usage(req, summary.usage, summary.content_chunks)
+            raise ClientGone(prompt, completion) from None
         if outcome is Outcome.OK and not summary.done:
             outcome = Outcome.UPSTREAM_ERROR  # the engine closed the stream early
         if outcome is Outcome.OK and summary.error:
