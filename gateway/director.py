@@ -27,43 +27,26 @@ from engines.pool import Engine, EnginePool
 from engines.prompt import PromptBlocks, cache_salt
 from engines.scheduler import Scheduler
 from engines.sessions import session_key
+from gateway import intake
 from gateway.admission import Admission, gone
 from gateway.attempts import final_error, first_success
 from gateway.capacity import CapacityReport
 from gateway.disagg import Disaggregator, PrefillLeg, split_models
-from gateway.intake import (
-    apply_tenant_caps,
-    check_model,
-    check_sequences,
-    parse,
-    read_body,
-    request_timeout,
-    sizing,
-)
 from gateway.keys import RECORD, TENANT
 from gateway.openai_api import TOKEN_FREE, Endpoint, InferenceRequest, output_cap
 from gateway.placement import Placement, Placer
 from gateway.prefill_queue import LegShed
 from gateway.proxy import SSE_HEADERS, ClientGone, EngineClient, ProxyResult
 from gateway.record import RequestRecord
-from gateway.responses import expand_conversation, remember
+from gateway.responses import expander, remember
 from gateway.tracing import Spans, inject_traceparent
 from limits import capacity
 from limits.admission import AdmissionQueue
-from limits.degrade import DEGRADED_HEADER
 from limits.interfaces import Clock
 from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter, Reservation, Sizing
 from limits.saturation import SaturationDetector
 from limits.slo_gate import SloGate
-
-#: Response header naming a split request's prefill engine (``x-sluice-engine``
-#: names the engine that streamed the answer).
-PREFILL_ENGINE_HEADER = "x-sluice-prefill-engine"
-#: Response header: prompt tokens the prefix index predicted cached on the chosen
-#: engine, per index (``events=N, approximate=M``); the replay benchmark compares it
-#: with the engine's ``usage.prompt_tokens_details.cached_tokens``.
-PREFIX_TOKENS_HEADER = "x-sluice-prefix-tokens"
 
 
 def _call_all(callbacks: list[Callable[[], None]]) -> None:
@@ -176,19 +159,18 @@ class Director:
         rec.inference, rec.priority, rec.endpoint = True, tenant.priority, endpoint
         gw = self.cfg.gateway
         try:
-            req = await parse(endpoint, await read_body(request, gw.timeouts.request_body_s),
-                              gw.offload_bytes, functools.partial(
-                                  expand_conversation, self.responses, tenant)
-                              if endpoint == "responses" else None)
+            req = await intake.parse(
+                endpoint, await intake.read_body(request, gw.timeouts.request_body_s),
+                gw.offload_bytes, expander(self.responses, tenant, endpoint))
             rec.stream = req.stream
-            check_model(tenant, req, self.queues)
+            intake.check_model(tenant, req, self.queues)
             rec.model = req.model  # a configured one: the client's name never becomes a label
-            check_sequences(tenant, req, gw.max_sequences)
+            intake.check_sequences(tenant, req, gw.max_sequences)
             if req.model in self.admission.salted:  # before the cache key: lookup and store agree
                 req.body["cache_salt"] = cache_salt(tenant.namespace, req.body.get("cache_salt"))
             await self.admission.measure(req)
-            apply_tenant_caps(tenant, req)
-            timeout_s = request_timeout(request)
+            intake.apply_tenant_caps(tenant, req)
+            timeout_s = intake.request_timeout(request)
             creq = None if self.cache is None else self.cache.request(
                 namespace=tenant.namespace, tenant=tenant.cache, endpoint=req.endpoint,
                 model=req.model, body=req.body, large=req.large,
@@ -200,16 +182,13 @@ class Director:
                     span.set_attribute("sluice.cache.hit", hit.kind if hit else "miss")
                 if hit is not None:
                     async with await self._reserve(tenant, 0, rec, concurrency=False):
-                        rec.cache, rec.outcome = f"hit-{hit.kind}", Outcome.CACHE_HIT
-                        usage = hit.response.get("usage") or {}
-                        rec.prompt_tokens = usage.get("prompt_tokens", 0)
-                        rec.completion_tokens = usage.get("completion_tokens", 0)
-                        rec.ttft_s = self.clock.now() - started
+                        rec.cache_hit(hit.kind, hit.response.get("usage") or {},
+                                      self.clock.now() - started)
                         return await replay(
                             request, hit, req.endpoint, req.model, stream=req.stream,
                             include_usage=req.client_usage, sse_headers=SSE_HEADERS,
                             headers={"x-request-id": rec.request_id, "x-sluice-cache": rec.cache})
-            size = sizing(tenant, req, gw.default_output_tokens) \
+            size = intake.sizing(tenant, req, gw.default_output_tokens) \
                 if req.endpoint not in TOKEN_FREE else Sizing(0, 0)
             if req.max_output_tokens is None and tenant.tokens_per_min is not None:
                 # the quota holds only if the engine stops where the reservation does
@@ -313,19 +292,8 @@ class Director:
             span.set_attribute("sluice.engine", placement.engine.id)
             for name, score in placement.scores.items():
                 span.set_attribute(f"sluice.score.{name}", score)
-        headers = {"x-request-id": rec.request_id, "x-sluice-engine": placement.engine.id,
-                   "x-sluice-queue-ms": f"{(rec.queue_s or 0.0) * 1000:.1f}",
-                   "x-sluice-cache": rec.cache}
-        if rec.degraded:
-            headers[DEGRADED_HEADER] = ", ".join(rec.degraded)
-        if prefilled is not None:
-            headers[PREFILL_ENGINE_HEADER] = prefilled.id
-        if placement.prefix_tokens:
-            headers[PREFIX_TOKENS_HEADER] = ", ".join(
-                f"{k}={v}" for k, v in placement.prefix_tokens.items())
+        headers = {**rec.headers(), **placement.headers(prefilled)}
         engine, flight = placement.engine, placement.flight
-        if flight is not None:
-            headers["x-sluice-ttft-predicted-ms"] = f"{flight.predicted_ttft_s * 1000:.1f}"
         # a whole request of a split model: its prompt is prefill queued on the engine
         tracked = req.model in self.split_models and prefilled is None
         async with self.placer.local_prefill(placement, tracked, self.spans) as first_token:

@@ -46,6 +46,14 @@ from limits.slo_gate import SloGate
 if TYPE_CHECKING:
     from gateway.proxy import ProxyResult
 
+#: Response header naming a split request's prefill engine (``x-sluice-engine``
+#: names the engine that streamed the answer).
+PREFILL_ENGINE_HEADER = "x-sluice-prefill-engine"
+#: Response header: prompt tokens the prefix index predicted cached on the chosen
+#: engine, per index (``events=N, approximate=M``); the replay benchmark compares it
+#: with the engine's ``usage.prompt_tokens_details.cached_tokens``.
+PREFIX_TOKENS_HEADER = "x-sluice-prefix-tokens"
+
 
 @dataclass(eq=False)
 class Placement:
@@ -85,6 +93,21 @@ class Placement:
     @property
     def engine(self) -> Engine:
         return self.lease.engine
+
+    def headers(self, prefilled: Engine | None) -> dict[str, str]:
+        """The response headers this placement answers with: ``x-sluice-engine``,
+        :data:`PREFILL_ENGINE_HEADER` (``prefilled``: a split request's prefill
+        engine), :data:`PREFIX_TOKENS_HEADER` and ``x-sluice-ttft-predicted-ms`` (the
+        flight's TTFT̂) where there are such."""
+        out = {"x-sluice-engine": self.engine.id}
+        if prefilled is not None:
+            out[PREFILL_ENGINE_HEADER] = prefilled.id
+        if self.prefix_tokens:
+            out[PREFIX_TOKENS_HEADER] = ", ".join(
+                f"{k}={v}" for k, v in self.prefix_tokens.items())
+        if self.flight is not None:
+            out["x-sluice-ttft-predicted-ms"] = f"{self.flight.predicted_ttft_s * 1000:.1f}"
+        return out
 
     def first_token(self) -> None:
         """The engine streamed the answer's first token now (the flight's TTFT)."""

@@ -6,7 +6,9 @@ answer is kept for follow-ups (:func:`remember`). The Director calls both.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from cache.conversations import ResponseStore, input_items
@@ -48,6 +50,15 @@ async def expand_conversation(store: ResponseStore, tenant: TenantQuota,
     out = {k: v for k, v in body.items() if k != "previous_response_id"}
     out["input"] = [*history, *input_items(body.get("input"))]
     return out
+
+
+def expander(store: ResponseStore, tenant: TenantQuota, endpoint: str,
+             ) -> Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None:
+    """:func:`expand_conversation` for ``tenant``'s bodies of the ``responses``
+    endpoint (the hook of :func:`gateway.intake.parse`); None for other endpoints."""
+    if endpoint != "responses":
+        return None
+    return functools.partial(expand_conversation, store, tenant)
 
 
 async def remember(store: ResponseStore, tenant: TenantQuota, req: InferenceRequest,

@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 
 from config.schema import PRIORITIES, AdaptiveConfig, Priority, SloConfig
 from limits.band_demand import BandDemand
-from limits.engine_latency import EngineLatency, Flight, best_effort_wait_s
+from limits.decision import best_effort_wait_s
+from limits.engine_latency import EngineLatency, Flight
 from limits.gradient import GradientLimiter
 from limits.interfaces import Clock, EngineCounters, ReadyEngine
 from limits.latency_model import LatencyModel
@@ -115,7 +116,7 @@ class SloGate:
               uncached: Callable[[str], int]) -> list[str]:
         """The engines among ``candidates`` (ids of ready engines with room) predicted
         to serve a request of ``priority`` for ``model`` within its band's SLO
-        (:func:`limits.engine_latency.decide`), keeping room for more urgent bands;
+        (:func:`limits.decision.decide`), keeping room for more urgent bands;
         bursts pass while the long-run occupancy (all bands), shared among the
         ``ready`` engines in proportion to their knees, is under each engine's knee.
         Engines that can meet the request's SLO are preferred: those that take it only
@@ -206,7 +207,7 @@ class SloGate:
         (ids of the ready engines serving whole requests of ``model``) serves its band
         at best effort (:meth:`~limits.engine_latency.EngineLatency.best_effort`):
         that deadline less the band's mean time on an engine
-        (:func:`~limits.engine_latency.best_effort_wait_s`), so what is admitted is
+        (:func:`~limits.decision.best_effort_wait_s`), so what is admitted is
         answered by it and the queue refuses at once, with ``Retry-After``, what it
         predicts would wait longer. None otherwise, or before a request of the band
         has been timed."""

@@ -13,11 +13,13 @@ import pytest
 
 from limits import latency_model
 from limits.band_demand import BandDemand
-from limits.engine_latency import EngineLatency, decide
+from limits.decision import decide
+from limits.engine_latency import EngineLatency
 from limits.gradient import GradientLimiter
 from limits.interfaces import EngineCounters
 from limits.intervals import IntervalObservations, interval_observations
-from limits.latency_model import LatencyModel, LatencyPrior, RecursiveLeastSquares
+from limits.latency_model import LatencyModel, LatencyPrior
+from limits.rls import RecursiveLeastSquares
 
 
 class FakeClock:
