@@ -126,8 +126,9 @@ def test_the_sdk_uploads_runs_and_downloads_a_batch(tmp_path: Path) -> None:
                    for m in f.samples}
         assert samples[("sluice_queue_wait_seconds_count",
                         (("model", MODEL), ("priority", "batch")))] == 21
-        assert samples[("sluice_requests_total", (("model", MODEL), ("outcome", "ok"),
-                                                  ("status", "200"), ("tenant", "a")))] == 21
+        assert samples[("sluice_requests_total", (
+            ("endpoint", "chat"), ("model", MODEL), ("outcome", "ok"), ("status", "200"),
+            ("tenant", "a")))] == 21
         assert samples[("sluice_batch_line_results_total", (("result", "ok"),))] == 21
 
 
