@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
 
 from aiohttp import web
 from opentelemetry.trace import SpanKind
@@ -47,11 +46,6 @@ from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter, Reservation, Sizing
 from limits.saturation import SaturationDetector
 from limits.slo_gate import SloGate
-
-
-def _call_all(callbacks: list[Callable[[], None]]) -> None:
-    for callback in callbacks:
-        callback()
 
 
 class Director:
@@ -302,11 +296,9 @@ class Director:
                 upstream = {"x-request-id": rec.request_id}
                 if self.spans.enabled:
                     inject_traceparent(upstream)
-                callbacks = [f for f in (first_token, None if flight is None else
-                                         placement.first_token) if f is not None]
                 result = await self.client.send(
                     engine, req, request, headers, upstream,
-                    functools.partial(_call_all, callbacks) if callbacks else None,
+                    placement.first_token_hook(first_token),
                     priority=PRIORITIES.index(tenant.priority) if engine.priority_scheduling
                     else None,
                     on_answer=functools.partial(remember, self.responses, tenant, req)

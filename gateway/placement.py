@@ -23,6 +23,7 @@ in the gate's ledger of its engine, which the placement feeds
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -53,6 +54,11 @@ PREFILL_ENGINE_HEADER = "x-sluice-prefill-engine"
 #: engine, per index (``events=N, approximate=M``); the replay benchmark compares it
 #: with the engine's ``usage.prompt_tokens_details.cached_tokens``.
 PREFIX_TOKENS_HEADER = "x-sluice-prefix-tokens"
+
+
+def _call_all(callbacks: list[Callable[[], None]]) -> None:
+    for callback in callbacks:
+        callback()
 
 
 @dataclass(eq=False)
@@ -108,6 +114,15 @@ class Placement:
         if self.flight is not None:
             out["x-sluice-ttft-predicted-ms"] = f"{self.flight.predicted_ttft_s * 1000:.1f}"
         return out
+
+    def first_token_hook(self, also: Callable[[], None] | None,
+                         ) -> Callable[[], None] | None:
+        """What the proxy calls at the answer's first token: ``also`` (the local
+        prefill's tracking, :meth:`Placer.local_prefill`) and :meth:`first_token`
+        where there is a flight; None when neither."""
+        hooks = [f for f in (also, None if self.flight is None else self.first_token)
+                 if f is not None]
+        return None if not hooks else functools.partial(_call_all, hooks)
 
     def first_token(self) -> None:
         """The engine streamed the answer's first token now (the flight's TTFT)."""
