@@ -25,6 +25,16 @@ from config.schema import TenantCache
 STORABLE_FINISH_REASONS: frozenset[str] = frozenset({"stop", "length"})
 
 
+#: Request fields whose output a streamed answer, reassembled, would not keep
+#: (``StreamSummary.to_response`` rebuilds every delta field, not the per-token
+#: ``logprobs``): such answers are not cached.
+STREAM_LOSSY = frozenset({"logprobs", "top_logprobs"})
+
+#: Endpoints the response cache serves (the others' answers are sampled text whose
+#: streams it cannot replay, or cost nothing to recompute).
+CACHED_ENDPOINTS = frozenset({"chat", "completions", "embeddings"})
+
+
 def is_deterministic(body: dict[str, Any]) -> bool:
     """True when ``body`` asks for temperature 0 explicitly or carries a ``seed``."""
     if body.get("seed") is not None:

@@ -1,8 +1,9 @@
 """The response cache as the gateway sees it: :class:`ResponseCache`.
 
-Per request the gateway builds a :class:`CacheRequest` and calls
-:meth:`ResponseCache.lookup` before rate limiting (exact first, then semantic) and
-:meth:`ResponseCache.store` once the complete answer is known. Which requests and
+Per request the gateway builds a :class:`CacheRequest` (:meth:`ResponseCache.request`)
+and calls :meth:`ResponseCache.lookup` before rate limiting (exact first, then
+semantic), answers a hit with :func:`replay`, and hands the complete answer to
+:meth:`ResponseCache.store_later` (or :meth:`ResponseCache.store`). Which requests and
 responses qualify is :mod:`cache.policy`; keys are :mod:`cache.keys`.
 """
 
@@ -14,12 +15,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
+from aiohttp import web
 
 from cache.embedder import BatchingEmbedder
 from cache.exact import ExactCache
 from cache.interfaces import ByteStore
 from cache.keys import CacheKey, EndpointKind, make_key
-from cache.policy import request_cacheable, response_storable
+from cache.policy import CACHED_ENDPOINTS, STREAM_LOSSY, request_cacheable, response_storable
+from cache.replay import as_json, as_sse
 from cache.semantic import SemanticCache
 from cache.stores import MemoryByteStore, RedisByteStore
 from config.schema import CacheConfig, TenantCache
@@ -31,6 +34,12 @@ log = logging.getLogger(__name__)
 #: Failures of the shared store that make the cache step aside (fail open).
 STORE_ERRORS: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError,
                                                   asyncio.TimeoutError)
+
+
+def cache_control(header: str) -> tuple[bool, bool]:
+    """(no_cache, no_store) from a ``Cache-Control`` header's value."""
+    tokens = {t.strip().lower() for t in header.split(",")}
+    return "no-cache" in tokens, "no-store" in tokens
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,47 @@ class ResponseCache:
         self.cfg = cfg
         self.exact = exact
         self.semantic = semantic
+        self._background: set[asyncio.Task[object]] = set()
+
+    def request(self, *, namespace: str, tenant: TenantCache, endpoint: EndpointKind,
+                model: str, body: dict[str, Any], cache_control_header: str,
+                large: bool = False) -> CacheRequest | None:
+        """The cache's view of one request (``body`` is copied), or None when the
+        cache is off or the endpoint is not one it serves (:data:`CACHED_ENDPOINTS`);
+        ``cache_control_header``: the request's ``Cache-Control``; ``large``: key it
+        off the event loop (:attr:`CacheRequest.large`)."""
+        if not self.cfg.enabled or endpoint not in CACHED_ENDPOINTS:
+            return None
+        no_cache, no_store = cache_control(cache_control_header)
+        return CacheRequest(namespace=namespace, tenant=tenant, endpoint=endpoint,
+                            model=model, body=dict(body), no_cache=no_cache,
+                            no_store=no_store, large=large)
+
+    def store_later(self, creq: CacheRequest, answer: dict[str, Any], *, model: str,
+                    cap_written: bool, streamed: bool = False) -> None:
+        """Store a finished answer off the response path (the semantic cache embeds
+        the question, ~20 ms on CPU), under the very request it was looked up with
+        (``creq``: the body before the gateway's own edits, so lookup and store
+        compute one key). Not stored: a fallback model's answer (``model``, the model
+        that answered, is not ``creq.model``), and an answer cut (``length``) at an
+        output cap the gateway wrote after the lookup (``cap_written``: the
+        tokens/min cap, a degradation rung): the request as looked up did not ask for
+        that cut. An answer that stopped by itself is the same under any larger cap,
+        so it is stored. A ``streamed`` answer reassembled from its events is not
+        stored when the request asked for fields the reassembly drops
+        (:data:`cache.policy.STREAM_LOSSY`)."""
+        if streamed and STREAM_LOSSY.intersection(creq.body):
+            return
+        if creq.no_store or not request_cacheable(creq.body, creq.tenant, creq.endpoint):
+            return  # what store would decide, without a task per request
+        if model != creq.model:
+            return
+        if cap_written and any(isinstance(c, dict) and c.get("finish_reason") == "length"
+                               for c in answer.get("choices") or ()):
+            return
+        task = asyncio.create_task(self.store(creq, answer))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def eligible(self, req: CacheRequest) -> bool:
         """Whether the cache is consulted at all (else the response says ``bypass``)."""
@@ -152,6 +202,21 @@ class ResponseCache:
             await self.semantic.close()
             await self.semantic.embedder.close()
         await self.exact.store.close()
+
+
+async def replay(request: web.Request, hit: CacheHit, endpoint: EndpointKind, model: str, *,
+                 stream: bool, include_usage: bool, headers: dict[str, str],
+                 sse_headers: dict[str, str]) -> web.StreamResponse:
+    """Answer ``request`` with a cached answer (:mod:`cache.replay`): a JSON body, or
+    for ``stream`` the SSE events (with ``sse_headers`` too), with ``headers``."""
+    if not stream:
+        return web.json_response(as_json(hit.response, endpoint, model), headers=headers)
+    out = web.StreamResponse(headers={**sse_headers, **headers})
+    await out.prepare(request)
+    await out.write(b"".join(as_sse(hit.response, endpoint, model,
+                                    include_usage=include_usage)))
+    await out.write_eof()
+    return out
 
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from config.schema import Priority
 from engines.pool import Engine
+from limits.interfaces import SloView
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class SchedRequest:
             scorers run, so plugins stay pure; absent ids mean 0.
         session_engine: id of the engine this session was last sent to (filled by
             the scheduler from its session table), if any.
+        slo: the SLO gate's view (queued prefill, TTFT̂ per engine), filled by the
+            scheduler (:attr:`Scheduler.slo <engines.scheduler.Scheduler.slo>`);
+            None without adaptive admission's ledgers.
     """
 
     model: str
@@ -53,6 +57,7 @@ class SchedRequest:
     priority: Priority = "standard"
     prefix_matches: Mapping[str, int] = field(default_factory=dict)
     session_engine: str | None = None
+    slo: SloView | None = None
 
 
 class Filter(Protocol):

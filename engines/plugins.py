@@ -212,12 +212,13 @@ class PredictedTtft:
     def score(self, req: SchedRequest, engines: Sequence[Engine], now: float) -> list[float]:
         n = len(req.blocks)
         preds: list[float | None] = []
+        slo = req.slo
         for e in engines:
-            if e.latency is None:
+            if slo is None:
                 preds.append(None)
                 continue
             hit = min(req.prefix_matches.get(e.id, 0), n) * req.block_size
-            preds.append(e.latency.predict_ttft(max(0, req.prompt_tokens - hit)).mean)
+            preds.append(slo.predicted_ttft_s(e.id, max(0, req.prompt_tokens - hit)))
         known = [p for p in preds if p is not None and p > 0]
         if not known:
             return [1.0] * len(engines)
@@ -232,7 +233,7 @@ class PrefillBacklog:
 
     ``cost = pending + max(0, prompt_tokens − hit)`` tokens, ``pending`` being the
     uncached prompt tokens of this gateway's requests on the engine that have not had
-    their first token (the request ledger of :mod:`limits.engine_latency`, exact and
+    their first token (the SLO gate's request ledger, :mod:`limits.slo_gate`, exact and
     current; 0 for an engine without one, i.e. with adaptive admission off) and
     ``hit`` the leading blocks the prefix index says the engine holds, in tokens.
     Score = ``min cost / cost`` over the candidates (proportional: the engine with the
@@ -256,7 +257,7 @@ class PrefillBacklog:
         costs = []
         for e in engines:
             hit = min(req.prefix_matches.get(e.id, 0), n) * req.block_size
-            pending = e.latency.pending_prefill_tokens if e.latency is not None else 0
+            pending = req.slo.pending_prefill_tokens(e.id) if req.slo is not None else 0
             costs.append(max(1, pending + max(0, req.prompt_tokens - hit)))
         best = min(costs, default=1)
         return [best / c for c in costs]

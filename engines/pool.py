@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from engines.breaker import CircuitBreaker
 from engines.kv_events import EventsEndpoint
-from limits.engine_latency import EngineLatency
 from limits.interfaces import EngineCounters
 
 
@@ -101,8 +100,6 @@ class Engine:
         priority_scheduling: runs vLLM's ``--scheduling-policy priority`` (the
             gateway forwards the band as ``priority``).
         cost_per_hour: the spec's price per replica-hour, or None.
-        latency: its learned latency model and request ledger (the adaptive
-            admission), or None while adaptive admission is off.
         slots: the most requests the engine runs at once, where it reports a fixed
             slot count (llama.cpp's ``/props`` ``total_slots``); None when unknown.
         slot_tokens: the context of one slot, tokens, where the engine has fixed slots
@@ -127,7 +124,6 @@ class Engine:
     labels: dict[str, str] = field(default_factory=dict)
     priority_scheduling: bool = False
     cost_per_hour: float | None = None
-    latency: EngineLatency | None = None
     kv_events: EventsEndpoint | None = None
     slots: int | None = None
     slot_tokens: int | None = None
@@ -200,7 +196,9 @@ class EnginePool:
     ``on_remove`` callables receive each engine as it joins or leaves the pool (a
     reload adds and removes engines while the gateway runs): whoever keeps state per
     engine (latency ledger, KV-event subscriber, prefix index, metric series) starts
-    or drops it there.
+    or drops it there. ``on_counters`` callables receive (engine id, its scraped
+    :class:`~limits.interfaces.EngineCounters`) on each :meth:`set_metrics` that has
+    them (the SLO gate's latency ledgers learn from them).
     """
 
     def __init__(self, engines: list[Engine] | None = None) -> None:
@@ -209,6 +207,7 @@ class EnginePool:
         self.listeners: list[Callable[[], None]] = []
         self.on_add: list[Callable[[Engine], None]] = []
         self.on_remove: list[Callable[[Engine], None]] = []
+        self.on_counters: list[Callable[[str, EngineCounters], None]] = []
         for e in engines or ():
             self.add(e)
 
@@ -253,14 +252,16 @@ class EnginePool:
 
     def set_metrics(self, engine: Engine, snapshot: MetricsSnapshot,
                     in_flight_at_send: int = 0) -> None:
-        """Store ``snapshot``; its histograms feed the engine's latency model.
+        """Store ``snapshot``; its histograms and counters go to :attr:`on_counters`
+        (the SLO gate's latency ledgers).
         ``in_flight_at_send``: ``engine.in_flight`` when the scrape was sent (see
         :attr:`Engine.in_flight_at_metrics`)."""
         engine.metrics = snapshot
         engine.in_flight_at_metrics = max(in_flight_at_send, engine.in_flight)
         engine.in_flight_throughout = min(in_flight_at_send, engine.in_flight)
-        if engine.latency is not None and snapshot.counters is not None:
-            engine.latency.scraped(snapshot.counters)
+        if snapshot.counters is not None:
+            for fn in self.on_counters:
+                fn(engine.id, snapshot.counters)
         self.notify()
 
     def lease(self, engine: Engine, blocks: int = 0) -> EngineLease:

@@ -21,6 +21,7 @@ from engines.pool import Engine
 from engines.prefix import PrefixIndex
 from engines.prefix_events import EventPrefixIndex
 from engines.sessions import SessionTable
+from limits.interfaces import SloView
 
 __all__ = ["Decision", "SchedRequest", "Scheduler", "engine_hit_blocks"]
 
@@ -83,6 +84,9 @@ class Scheduler:
 
     def __init__(self, cfg: SchedulerConfig, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
+        #: the SLO gate's view the scorers read (``SchedRequest.slo``); set by the
+        #: gateway's placer
+        self.slo: SloView | None = None
         self.set_plugins(cfg)
         p = cfg.prefix
         self.source = p.source
@@ -121,6 +125,7 @@ class Scheduler:
             prefix_matches={e.id: self.index.match(e, req.blocks, now) for e in healthy}
             if req.blocks else {},
             session_engine=self.sessions.engine_for(req.session_id, healthy, now),
+            slo=self.slo,
         )
         candidates = healthy
         for f in self.filters:

@@ -63,6 +63,7 @@ from gateway.keys import (
     RELOADER,
     SCHEDULER,
     SESSION,
+    SLO_GATE,
     SPANS,
     STATS,
     STORE,
@@ -87,6 +88,7 @@ from limits.interfaces import Clock
 from limits.outcome import Outcome, Rejected
 from limits.rate_limit import RateLimiter
 from limits.saturation import SaturationDetector
+from limits.slo_gate import SloGate
 from limits.stores import open_store
 
 STARTED = int(time.time())
@@ -231,6 +233,10 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
                             timeout_s=limits.redis_timeout_s, clock=clock,  # connects lazily
                             max_pending_releases=limits.max_pending_releases)
     app[LIMITER] = RateLimiter(store=app[STORE], lease_ttl_s=limits.lease_ttl_s)
+    #: the SLO gate: the adaptive admission's ledgers and band demand (read by the
+    #: metrics, the stats feed and the capacity report; the director's placer decides)
+    app[SLO_GATE] = SloGate(slo=cfg.gateway.slo, adaptive=cfg.engines.saturation.adaptive,
+                            clock=clock, retry_after=lambda m: app[QUEUES][m].retry_after_s())
     metrics = GatewayMetrics(models=cfg.engines.model_names(),
                              semantic=cache_cfg.enabled and cache_cfg.semantic.enabled)
     app[METRICS] = metrics
@@ -239,7 +245,8 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
         pool=app[POOL], queues=app[QUEUES], metrics=metrics, store=app[STORE],
         limiter=app[LIMITER], tpot_target_s=tightest_tpot_s,
         desired_engines=lambda m: app[DIRECTOR].capacity.desired_engines(m) if DIRECTOR in app else None,
-        prefill_held=lambda: app[DIRECTOR].placer.disagg.queue.held if DIRECTOR in app else {}))
+        prefill_held=lambda: app[DIRECTOR].placer.disagg.queue.held if DIRECTOR in app else {},
+        gate=app[SLO_GATE]))
     app[OBSERVERS] = ([metrics.observe] if obs.metrics else []) + (
         [log_access] if obs.access_log else [])
     app[SPANS], app[TRACER_PROVIDER] = make_tracer(obs, span_exporter)
@@ -251,7 +258,7 @@ def create_app(cfg: Config, *, model_cache_dir: Path | None = None,
     app[POOL].on_remove.append(metrics.forget_engine)
     app[STATS] = StatsFeed(metrics=metrics, pool=app[POOL], queues=app[QUEUES],
                            reloads=app[RELOADER].history if app[RELOADER] else (),
-                           tpot_target_s=tightest_tpot_s)
+                           tpot_target_s=tightest_tpot_s, gate=app[SLO_GATE])
     app[POOL].on_remove.append(app[STATS].forget_engine)
 
     app.cleanup_ctx.append(engines_ctx)
@@ -352,7 +359,7 @@ async def pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
                             max_response_bytes=cfg.gateway.max_response_bytes),
         limiter=app[LIMITER], queues=queues,
         detector=SaturationDetector.from_config(cfg.engines), cache=cache,
-        clock=app[CLOCK], spans=app[SPANS], responses=ResponseStore(
+        clock=app[CLOCK], spans=app[SPANS], gate=app[SLO_GATE], responses=ResponseStore(
             open_byte_store(cfg.gateway.cache, app[CLOCK])[0], cfg.gateway.cache.responses_ttl_s))
 
     def kick() -> None:

@@ -40,7 +40,17 @@ from batch.store import BatchRecord, JobStore, open_job_store
 from config.schema import BatchConfig
 from gateway.admin import require_admin
 from gateway.batch_runner import BatchCollector, BatchRunner
-from gateway.keys import CONFIG, DIRECTOR, METRICS, POOL, QUEUES, RUNNER, SESSION, TENANT
+from gateway.keys import (
+    CONFIG,
+    DIRECTOR,
+    METRICS,
+    POOL,
+    QUEUES,
+    RUNNER,
+    SESSION,
+    SLO_GATE,
+    TENANT,
+)
 from limits.outcome import Outcome, Rejected
 
 log = logging.getLogger("sluice.batch")
@@ -367,7 +377,7 @@ async def batch_ctx(app: web.Application) -> AsyncIterator[None]:
     runner = BatchRunner(None, cfg, app[SESSION], app[QUEUES], app[POOL],
                          app[DIRECTOR].placer if DIRECTOR in app else None,
                          app[CONFIG].gateway.slo,
-                         app[DIRECTOR].mix if DIRECTOR in app else None)
+                         app[DIRECTOR].mix if DIRECTOR in app else None, app[SLO_GATE])
     app[RUNNER] = runner
     collector = BatchCollector(runner)
     app[METRICS].registry.register(collector)

@@ -11,7 +11,7 @@ Feeding (:meth:`BatchRunner.room`): a line is sent only while its model's engine
 have room for it below their learned concurrency limits (the knee for the tightest
 TPOT target, :func:`gateway.metrics.concurrency_limit`) less the places kept for the
 online bands — ``BatchConfig.headroom`` of those limits, or more where
-:meth:`limits.engine_latency.BandDemand.urgent_free` asks for more —, one line per
+:meth:`limits.band_demand.BandDemand.urgent_free` asks for more —, one line per
 engine on which an interactive request would still start within half its TTFT
 target (a batch line's prefill queues ahead of the next online request on an FCFS
 engine), and no online request is waiting in the model's queue (the batch gives way
@@ -56,6 +56,7 @@ from gateway.metrics import concurrency_limit
 from gateway.placement import Placer
 from limits.admission import AdmissionQueue
 from limits.capacity import MixTracker
+from limits.slo_gate import SloGate
 
 log = logging.getLogger("sluice.batch")
 
@@ -107,18 +108,22 @@ class BatchRunner:
         queues: the admission queues, ``{model: AdmissionQueue}`` (read for the
             depth of each band).
         pool: the engines (their learned limits and this process's requests on them).
-        placer: the placement (the online bands' demand), once the pipeline runs.
+        placer: the placement (its saturation thresholds), once the pipeline runs.
         slo: the bands' targets.
         mix: each model's observed request mix (the typical prompt), or None.
+        gate: the SLO gate (the engines' latency ledgers and learned limits, the
+            online bands' demand); None: adaptive admission's view is not read.
     """
 
     def __init__(self, store: JobStore | None, cfg: BatchConfig, session: aiohttp.ClientSession,
                  queues: dict[str, AdmissionQueue], pool: EnginePool,
                  placer: Placer | None, slo: SloConfig,
-                 mix: dict[str, MixTracker] | None = None) -> None:
+                 mix: dict[str, MixTracker] | None = None,
+                 gate: SloGate | None = None) -> None:
         self.store: JobStore | None = store
         self.cfg, self.session, self.queues = cfg, session, queues
         self.pool, self.placer, self.slo, self.mix = pool, placer, slo, mix
+        self.gate = gate
         self._tpot_s = min(slo.target(p).tpot_s for p in PRIORITIES)
         self._ttft_targets = {p: slo.target(p).ttft_s for p in PRIORITIES}
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
@@ -260,8 +265,8 @@ class BatchRunner:
         limits = [self._limit(e) for e in engines]
         places = sum(limits)
         keep = math.ceil(self.cfg.headroom * places)
-        if self.placer is not None:
-            keep = max(keep, self.placer.band_demand(model).urgent_free(
+        if self.gate is not None:
+            keep = max(keep, self.gate.band_demand(model).urgent_free(
                 "batch", places, self._ttft_targets))
         now = time.monotonic()
         transit = sum(1 for m, at in self._sent.values() if m == model and now - at < TRANSIT_S)
@@ -285,7 +290,7 @@ class BatchRunner:
         take one more batch line (whose prefill would queue ahead of the next online
         request on an FCFS engine). None for an engine whose TTFT fit is not trusted
         (yet): the concurrency limits alone decide."""
-        lat = engine.latency
+        lat = self.gate.ledger(engine.id) if self.gate is not None else None
         if lat is None or not lat.model.ttft_trusted:
             return None
         ttft = lat.predict_ttft(prompt_tokens).upper(lat.z)
@@ -296,9 +301,10 @@ class BatchRunner:
         it has learned one (its slots are no limit the SLO allows). Without adaptive
         admission: ``saturation.max_in_flight``, else its slots, else
         ``batch.max_in_flight`` (the KV watermarks of the placement then decide)."""
-        if engine.latency is not None:
-            return 1 if engine.latency.limit(self._tpot_s) is None else \
-                concurrency_limit(engine, self._tpot_s) or 1
+        gate = self.gate
+        if gate is not None and gate.tracks(engine.id):
+            return 1 if gate.limit(engine.id, self._tpot_s) is None else \
+                concurrency_limit(engine, self._tpot_s, gate) or 1
         cap = self.placer.detector.max_in_flight if self.placer is not None else None
         return cap or engine.slots or self.cfg.max_in_flight
 

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 
 from config.schema import PRIORITIES, AdaptiveConfig, SloConfig
 from engines.pool import Engine, EnginePool
-from gateway.placement import Placer
 from limits import capacity
+from limits.slo_gate import SloGate
 
 
 def engine_kind(engine: Engine) -> str:
@@ -24,25 +24,29 @@ class CapacityReport:
     """Reads the live pool, mix and demand; no state of its own.
 
     Args:
-        pool: the engines (each with its fitted latency model when adaptive).
-        placer: its per-model band demand (arrival rates).
+        pool: the engines.
+        gate: the SLO gate: each engine's fitted latency model (when adaptive) and
+            each model's band demand (arrival rates).
         mix: per model, the prompt/output mix of finished requests.
         slo: the per-band TTFT/TPOT targets.
         adaptive: the adaptive-admission settings (``confidence_z``).
     """
 
-    def __init__(self, *, pool: EnginePool, placer: Placer,
+    def __init__(self, *, pool: EnginePool, gate: SloGate,
                  mix: Mapping[str, capacity.MixTracker], slo: SloConfig,
                  adaptive: AdaptiveConfig) -> None:
-        self.pool, self.placer, self.mix = pool, placer, mix
+        self.pool, self.gate, self.mix = pool, gate, mix
         self.slo, self.adaptive = slo, adaptive
 
     def _views(self, model: str) -> list[capacity.EngineView]:
         tightest = min(self.slo.target(p).tpot_s for p in PRIORITIES)
-        return [capacity.EngineView(e.id, e.labels.get("spec", e.id), e.latency.model,
-                                    e.latency.mode(tightest), e.block_size, e.num_blocks,
-                                    e.cost_per_hour, engine_kind(e), e.kv_capacity_tokens)
-                for e in self.pool.for_model(model) if e.latency is not None]
+        gate = self.gate
+        return [capacity.EngineView(e.id, e.labels.get("spec", e.id), fitted,
+                                    gate.mode(e.id, tightest) or "", e.block_size,
+                                    e.num_blocks, e.cost_per_hour, engine_kind(e),
+                                    e.kv_capacity_tokens)
+                for e in self.pool.for_model(model)
+                if (fitted := gate.model(e.id)) is not None]
 
     def report(self, model: str, target_rate: float | None) -> dict[str, object]:
         """``GET /admin/capacity`` for one model (:func:`limits.capacity.report`);
@@ -61,7 +65,7 @@ class CapacityReport:
         mix = self.mix[model].mix()
         if mix is None:
             return None
-        demand = self.placer.band_demand(model)
+        demand = self.gate.band_demand(model)
         rate = sum(demand.rate(p) for p in PRIORITIES)
         t = min((self.slo.target(p) for p in PRIORITIES), key=lambda t: t.tpot_s)
         return capacity.desired_engines(self._views(model), mix, t.ttft_s, t.tpot_s,

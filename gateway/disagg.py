@@ -80,15 +80,16 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.trace import SpanKind
 
-from config.schema import DisaggregationConfig
+from config.schema import DisaggregationConfig, EnginesConfig
 from engines.pool import Engine, EngineLease
+from gateway.attempts import first_success
 from gateway.openai_api import InferenceRequest
 from gateway.prefill_queue import PrefillQueue
-from gateway.proxy import EngineClient, UpstreamFailed
+from gateway.proxy import EngineClient
 from gateway.tracing import Spans, inject_traceparent
 from limits.clock import MONOTONIC
 from limits.interfaces import Clock
-from limits.outcome import Outcome
+from limits.slo_gate import SloGate
 
 #: ``kv_transfer_params`` of the prefill leg, as vLLM's proxy sends them.
 PREFILL_PARAMS: Mapping[str, Any] = {
@@ -223,6 +224,12 @@ class Choice:
     observed: bool
 
 
+
+def split_models(engines: EnginesConfig) -> frozenset[str]:
+    """Models with prefill engines (prefill–decode disaggregation)."""
+    return frozenset(s.model for s in engines.engines if s.role == "prefill")
+
+
 class Disaggregator:
     """Chooses split or local per request (module docstring).
 
@@ -232,12 +239,15 @@ class Disaggregator:
             (:attr:`speed`, which the legs update).
         tpot_target_s: the tightest TPOT target of the SLO bands, s (the decode
             engines' step budget, :meth:`step_tokens`).
+        gate: the SLO gate whose ledgers' latency models price a decode engine's step
+            budget (the placer sets it; None: the observed prefill speed only).
     """
 
     def __init__(self, cfg: DisaggregationConfig, clock: Clock = MONOTONIC, *,
-                 tpot_target_s: float = 0.1) -> None:
+                 tpot_target_s: float = 0.1, gate: SloGate | None = None) -> None:
         self.cfg = cfg
         self.tpot_target_s = tpot_target_s
+        self.gate = gate
         self.speed = PrefillSpeed(1.0 / cfg.prefill_tokens_per_s, clock)
         #: prefills held at the gateway: split requests' legs per prefill engine, and
         #: (``predicted`` policy) local prefills per decode engine
@@ -273,7 +283,7 @@ class Disaggregator:
             return None
         stall_ms = self.cfg.max_decode_stall_ms
         stall_s = None if stall_ms is None else stall_ms / 1000.0
-        ledger = engine.latency
+        ledger = None if self.gate is None else self.gate.ledger(engine.id)
         if ledger is not None and ledger.model.confident:
             budget = ledger.model.prefill_budget(self.tpot_target_s, ledger.decoding + 1,
                                                  stall_s)
@@ -366,20 +376,12 @@ class PrefillLeg:
             asyncio.CancelledError: the client went away; the leg's connection is
                 closed, which aborts it on the engine.
         """
-        for lease in attempts:
-            with lease:
-                try:
-                    leg = await self._send(lease.engine, req, request, request_id, uncached,
-                                           start_by, sheddable)
-                except UpstreamFailed as e:
-                    if e.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.NO_ENGINE):
-                        lease.engine.breaker.record(False)
-                    if not e.retryable:
-                        break
-                    continue
-                lease.engine.breaker.record(True)
-                return leg, lease.engine
-        return req, None
+        async def send(lease: EngineLease) -> tuple[InferenceRequest, Engine | None]:
+            return await self._send(lease.engine, req, request, request_id, uncached,
+                                    start_by, sheddable), lease.engine
+
+        done, _ = await first_success(attempts, send)
+        return done or (req, None)
 
     async def _send(self, engine: Engine, req: InferenceRequest, request: web.Request,
                     request_id: str, uncached: int, start_by: float,

@@ -26,6 +26,7 @@ from gateway.workers import WorkerRole
 from limits.admission import AdmissionQueue
 from limits.interfaces import Clock, CounterStore
 from limits.rate_limit import RateLimiter
+from limits.slo_gate import SloGate
 
 if TYPE_CHECKING:  # the director and the batch runner's pipeline read the keys below
     from gateway.batch_runner import BatchRunner
@@ -40,6 +41,7 @@ SCHEDULER = web.AppKey("scheduler", Scheduler)
 QUEUES: web.AppKey[dict[str, AdmissionQueue[Placement]]] = web.AppKey("queues")
 STORE = web.AppKey("store", CounterStore)
 LIMITER = web.AppKey("limiter", RateLimiter)
+SLO_GATE = web.AppKey("slo_gate", SloGate)
 #: the one clock of the request path, the engines and the limits
 CLOCK = web.AppKey("clock", Clock)
 METRICS = web.AppKey("metrics", GatewayMetrics)

@@ -32,6 +32,7 @@ from limits.admission import AdmissionQueue
 from limits.interfaces import CounterStore
 from limits.outcome import Outcome
 from limits.rate_limit import RateLimiter
+from limits.slo_gate import SloGate
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 600)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
@@ -52,17 +53,19 @@ def rejection_reason(rec: RequestRecord) -> str:
     return outcome if rec.reason in (None, outcome) else f"{outcome}:{rec.reason}"
 
 
-def concurrency_limit(engine: Engine, tpot_target_s: float) -> int | None:
-    """The requests in flight ``engine`` may take now: its learned limit
-    (:meth:`limits.engine_latency.EngineLatency.limit` for the ``tpot_target_s`` target,
-    s; at best effort its throughput knee), at most its slots where it reports them;
-    None while adaptive admission is off."""
-    if engine.latency is None:
+def concurrency_limit(engine: Engine, tpot_target_s: float,
+                      gate: SloGate | None) -> int | None:
+    """The requests in flight ``engine`` may take now: its learned limit in ``gate``
+    (:meth:`limits.slo_gate.SloGate.limit` for the ``tpot_target_s`` target, s; at best
+    effort its throughput knee), at most its slots where it reports them; None while
+    adaptive admission is off."""
+    if gate is None or not gate.tracks(engine.id):
         return None
-    learned = engine.latency.limit(tpot_target_s)
+    learned = gate.limit(engine.id, tpot_target_s)
     if learned is None:
         return engine.slots
     return min(learned, engine.slots) if engine.slots else learned
+
 
 class GatewayMetrics:
     """All of the gateway's series, in a private registry (one per app).
@@ -211,14 +214,18 @@ class FleetCollector(Collector):
             or None when unknown (before start-up or before any request finished).
         prefill_held: engine id → the prefills held at the gateway for it
             (:attr:`gateway.prefill_queue.PrefillQueue.held`).
+        gate: the SLO gate (the engines' learned limits, modes and fitted models);
+            None: none reported.
     """
 
     def __init__(self, *, pool: EnginePool, queues: Mapping[str, AdmissionQueue[Any]],
                  metrics: GatewayMetrics, store: CounterStore, limiter: RateLimiter,
                  tpot_target_s: float = 0.1,
                  desired_engines: Callable[[str], float | None] = lambda m: None,
-                 prefill_held: Callable[[], Mapping[str, Sized]] = dict) -> None:
+                 prefill_held: Callable[[], Mapping[str, Sized]] = dict,
+                 gate: SloGate | None = None) -> None:
         self.pool, self.queues, self.metrics, self.store = pool, queues, metrics, store
+        self.gate = gate
         self.prefill_held = prefill_held
         self.limiter = limiter
         self.tpot_target_s = tpot_target_s
@@ -240,14 +247,16 @@ class FleetCollector(Collector):
             "sluice_engine_latency_param", "Fitted latency-model parameter (s, s/token, "
             "s/sequence, or tokens/token for the turnover ratio; limits.latency_model).",
             labels=["engine", "model", "param"])
+        gate = self.gate
         for e in self.pool.engines:
-            if e.latency is None:
+            fitted = None if gate is None else gate.model(e.id)
+            if gate is None or fitted is None:
                 continue
-            cap = concurrency_limit(e, self.tpot_target_s)
+            cap = concurrency_limit(e, self.tpot_target_s, gate)
             if cap is not None:
                 limit.add_metric([e.id, e.model], cap)
-            mode.add_metric([e.id, e.model, e.latency.mode(self.tpot_target_s)], 1.0)
-            for name, value in e.latency.model.params().items():
+            mode.add_metric([e.id, e.model, gate.mode(e.id, self.tpot_target_s)], 1.0)
+            for name, value in fitted.params().items():
                 params.add_metric([e.id, e.model, name], float(value))
         desired = GaugeMetricFamily(
             "sluice_capacity_desired_engines", "Engines the current arrival rate needs at "

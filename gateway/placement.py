@@ -13,34 +13,52 @@ iterate over :meth:`Placer.prefill_attempts`. Whole requests and decode legs go 
 to engines of role ``decode`` or ``both``.
 
 With adaptive admission (``saturation.adaptive``), an engine with room must also be
-predicted to serve the request within its band's SLO (:mod:`limits.engine_latency`) —
-for an engine that reports no KV-cache usage this learned limit is the whole
-admission (``limits.saturation`` then caps it only at the engine's slots) —
-and each placement holds a :class:`~limits.engine_latency.Flight` in the engine's
-latency ledger, which the caller feeds (first token, usage, end) and the release
-closes.
+predicted to serve the request within its band's SLO (the SLO gate,
+:mod:`limits.slo_gate`) — for an engine that reports no KV-cache usage this learned
+limit is the whole admission (``limits.saturation`` then caps it only at the
+engine's slots) — and each placement holds a :class:`~limits.engine_latency.Flight`
+in the gate's ledger of its engine, which the placement feeds
+(:meth:`Placement.first_token`, :meth:`Placement.finished`) and its release closes.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from config.schema import PRIORITIES, AdaptiveConfig, Priority, SloConfig
+from config.schema import AdaptiveConfig, Priority, SloConfig
 from engines.kinds import KINDS
 from engines.plugins import engine_load
 from engines.pool import Engine, EngineLease, EnginePool
 from engines.scheduler import SchedRequest, Scheduler
-from gateway.disagg import Choice, Disaggregator, role, serves_whole
-from limits.band_demand import BandDemand
-from limits.engine_latency import EngineLatency, Flight, best_effort_wait_s
-from limits.gradient import GradientLimiter
-from limits.interfaces import Clock
-from limits.latency_model import LatencyModel
-from limits.outcome import Outcome, Rejected
+from gateway.disagg import Disaggregator, role, serves_whole
+from gateway.tracing import Spans
+from limits.capacity import MixTracker
+from limits.engine_latency import Flight
+from limits.interfaces import Clock, ReadyEngine
+from limits.outcome import Outcome
 from limits.saturation import SaturationDetector, kv_blocks
+from limits.slo_gate import SloGate
+
+if TYPE_CHECKING:
+    from gateway.proxy import ProxyResult
+
+#: Response header naming a split request's prefill engine (``x-sluice-engine``
+#: names the engine that streamed the answer).
+PREFILL_ENGINE_HEADER = "x-sluice-prefill-engine"
+#: Response header: prompt tokens the prefix index predicted cached on the chosen
+#: engine, per index (``events=N, approximate=M``); the replay benchmark compares it
+#: with the engine's ``usage.prompt_tokens_details.cached_tokens``.
+PREFIX_TOKENS_HEADER = "x-sluice-prefix-tokens"
+
+
+def _call_all(callbacks: list[Callable[[], None]]) -> None:
+    for callback in callbacks:
+        callback()
 
 
 @dataclass(eq=False)
@@ -58,9 +76,11 @@ class Placement:
     option's time alone) and whether it is shed past it while held (``sheddable``:
     :class:`gateway.prefill_queue.PrefillQueue`: the prefill leg's, or the local
     prefill's on the decode engine, which waits in that queue when ``hold_local``);
-    ``uncached`` is the prompt tokens the first engine is predicted to compute. With
-    adaptive admission, ``flight`` is the request's entry in the engine's latency
-    ledger and ``on_release`` closes it (once, on the first :meth:`release`).
+    ``uncached`` is the prompt tokens the first engine is predicted to compute;
+    ``need`` what it was placed for (its retries place the same). With
+    adaptive admission, ``flight`` is the request's entry in ``gate``'s ledger of the
+    engine, which :meth:`first_token` and :meth:`finished` feed, and ``on_release``
+    closes it (once, on the first :meth:`release`).
     """
 
     lease: EngineLease
@@ -73,10 +93,61 @@ class Placement:
     start_by: float = math.inf
     sheddable: bool = False
     hold_local: bool = False
+    gate: SloGate | None = None
+    need: Need | None = None
 
     @property
     def engine(self) -> Engine:
         return self.lease.engine
+
+    def headers(self, prefilled: Engine | None) -> dict[str, str]:
+        """The response headers this placement answers with: ``x-sluice-engine``,
+        :data:`PREFILL_ENGINE_HEADER` (``prefilled``: a split request's prefill
+        engine), :data:`PREFIX_TOKENS_HEADER` and ``x-sluice-ttft-predicted-ms`` (the
+        flight's TTFT̂) where there are such."""
+        out = {"x-sluice-engine": self.engine.id}
+        if prefilled is not None:
+            out[PREFILL_ENGINE_HEADER] = prefilled.id
+        if self.prefix_tokens:
+            out[PREFIX_TOKENS_HEADER] = ", ".join(
+                f"{k}={v}" for k, v in self.prefix_tokens.items())
+        if self.flight is not None:
+            out["x-sluice-ttft-predicted-ms"] = f"{self.flight.predicted_ttft_s * 1000:.1f}"
+        return out
+
+    def first_token_hook(self, also: Callable[[], None] | None,
+                         ) -> Callable[[], None] | None:
+        """What the proxy calls at the answer's first token: ``also`` (the local
+        prefill's tracking, :meth:`Placer.local_prefill`) and :meth:`first_token`
+        where there is a flight; None when neither."""
+        hooks = [f for f in (also, None if self.flight is None else self.first_token)
+                 if f is not None]
+        return None if not hooks else functools.partial(_call_all, hooks)
+
+    def first_token(self) -> None:
+        """The engine streamed the answer's first token now (the flight's TTFT)."""
+        if self.flight is not None and self.gate is not None:
+            self.gate.first_token(self.engine.id, self.flight)
+
+    def finished(self, result: ProxyResult, *, learn: bool, streamed: bool,
+                 mix: MixTracker | None) -> None:
+        """The upstream call ended with ``result``: the flight's usage and end go to
+        the ledger (which learns from them only when ``learn``: a whole request that
+        succeeded), and a successful answer's prompt, uncached prompt and output
+        tokens join ``mix`` (the model's request mix for the capacity report; None:
+        the model left with a reload). Nothing without a flight."""
+        flight = self.flight
+        if flight is None or self.gate is None:
+            return
+        ok = result.outcome is Outcome.OK
+        self.gate.finished(self.engine.id, flight, completion_tokens=result.completion_tokens,
+                           prompt_tokens=result.prompt_tokens,
+                           cached_tokens=result.cached_tokens, ok=ok and learn,
+                           streamed=streamed)
+        if ok and mix is not None:
+            uncached = flight.uncached_tokens if result.cached_tokens is None \
+                else max(0, result.prompt_tokens - result.cached_tokens)
+            mix.observe(result.prompt_tokens, uncached, result.completion_tokens)
 
     @property
     def blocks(self) -> int:
@@ -134,8 +205,11 @@ class Placer:
             prefill engines).
         slo: the per-band targets.
         adaptive: the adaptive admission's settings; when enabled every engine of the
-            pool gets an :class:`~limits.engine_latency.EngineLatency`.
+            pool gets a latency ledger in the gate.
         retry_after: model → ``Retry-After`` s for a ``predicted_miss`` shed.
+        gate: the SLO gate (one is built from ``slo``, ``adaptive`` and
+            ``retry_after`` when None). The placer gives it the pool's scraped
+            counters and the scheduler its view.
     """
 
     def __init__(self, *, pool: EnginePool, scheduler: Scheduler,
@@ -143,45 +217,45 @@ class Placer:
                  disagg: Disaggregator | None = None,
                  split_models: frozenset[str] = frozenset(),
                  slo: SloConfig | None = None, adaptive: AdaptiveConfig | None = None,
-                 retry_after: Callable[[str], int] = lambda m: 1) -> None:
+                 retry_after: Callable[[str], int] = lambda m: 1,
+                 gate: SloGate | None = None) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.detector = detector
         self.clock = clock
         self.disagg = disagg
         self.split_models = split_models if disagg is not None else frozenset()
-        self.slo = slo or SloConfig()
-        self.adaptive = adaptive or AdaptiveConfig(enabled=False)
-        self.retry_after = retry_after
-        #: per model, each band's expected occupancy (room kept for urgent bands)
-        self.demand: dict[str, BandDemand] = {}
+        self.gate = gate or SloGate(slo=slo, adaptive=adaptive, clock=clock,
+                                    retry_after=retry_after)
+        self.slo: SloConfig = self.gate.slo
+        self.adaptive: AdaptiveConfig = self.gate.adaptive
+        if self.adaptive.enabled:
+            scheduler.slo = self.gate
+        if disagg is not None:
+            disagg.gate = self.gate
+        pool.on_counters.append(self.gate.scraped)
         for e in pool.engines:
             self.track(e)
 
     def track(self, engine: Engine) -> None:
         """Give an engine of the pool its latency ledger (with adaptive admission)."""
-        if self.adaptive.enabled:
-            engine.latency = EngineLatency(
-                LatencyModel(forgetting=self.adaptive.forgetting,
-                             min_samples=self.adaptive.min_samples,
-                             max_rel_error=self.adaptive.max_rel_error),
-                self.clock, z=self.adaptive.confidence_z, gradient=self._gradient(engine),
-                name=engine.id)
+        self.gate.track(engine.id, self._unmetered_limit(engine))
 
-    def _gradient(self, engine: Engine) -> GradientLimiter | None:
-        """The fallback limiter of an engine whose dialect reports no KV-cache usage
-        (llama.cpp, TGI, a bare OpenAI server): its learned limit is all that admits
-        it, so it starts at ``saturation.unmetered_max_in_flight``, the fixed cap it
+    def _unmetered_limit(self, engine: Engine) -> int | None:
+        """Where the fallback limiter of an engine whose dialect reports no KV-cache
+        usage (llama.cpp, TGI, a bare OpenAI server) starts: its learned limit is all
+        that admits it, so at ``saturation.unmetered_max_in_flight``, the fixed cap it
         would have without adaptive admission. None (the default limiter) for
         others."""
         kind = KINDS.get(engine.labels.get("dialect", "vllm"))
         if kind is None or "kv_usage" in kind.signals:
             return None
-        return GradientLimiter(initial=self.detector.unmetered_max_in_flight)
+        return self.detector.unmetered_max_in_flight
 
     def forget(self, engine: Engine) -> None:
-        """An engine left the pool: drop its prefill-speed estimate (its latency
-        ledger leaves with it)."""
+        """An engine left the pool: drop its prefill-speed estimate and its latency
+        ledger."""
+        self.gate.forget(engine.id)
         if self.disagg is not None:
             self.disagg.speed.forget(engine.id)
             self.disagg.queue.forget(engine.id)
@@ -197,13 +271,6 @@ class Placer:
                 and (role(e) == "prefill" if prefill else serves_whole(e))
                 and self.detector.admits(e, priority, tokens, now)]
 
-    def band_demand(self, model: str) -> BandDemand:
-        """``model``'s per-band demand (created on first use)."""
-        demand = self.demand.get(model)
-        if demand is None:
-            demand = self.demand[model] = BandDemand(self.clock, PRIORITIES)
-        return demand
-
     def uncached(self, engine: Engine, sched: SchedRequest, now: float) -> int:
         """Prompt tokens ``engine`` must compute for ``sched``: the prompt less the
         leading blocks its prefix index says the engine holds."""
@@ -211,121 +278,45 @@ class Placer:
         return max(0, sched.prompt_tokens - hit * sched.block_size)
 
     def ttft_budget_s(self, need: Need, now: float) -> float:
-        """Time left at clock time ``now`` before ``need``'s TTFT target, s: its band's
-        target less the time since it arrived (infinite when it has no arrival time)."""
-        if need.arrived is None:
-            return math.inf
-        return self.slo.target(need.priority).ttft_s - (now - need.arrived)
+        """Time left at clock time ``now`` before ``need``'s TTFT target, s
+        (:meth:`limits.slo_gate.SloGate.ttft_budget_s`)."""
+        return self.gate.ttft_budget_s(need.priority, need.arrived, now)
 
     def best_effort_wait_s(self, model: str, priority: Priority,
                            max_wait_s: float) -> float | None:
-        """The longest a ``priority`` request of ``model`` whose queue deadline is
-        ``max_wait_s`` (s) away should wait in the queue when every ready engine
-        serves its band at best effort
-        (:meth:`~limits.engine_latency.EngineLatency.best_effort`): that deadline less
-        the band's mean time on an engine
-        (:func:`~limits.engine_latency.best_effort_wait_s`), so what is admitted is
-        answered by it and the queue refuses at once, with ``Retry-After``, what it
-        predicts would wait longer. None otherwise, or before a request of the band
-        has been timed."""
-        if not self.adaptive.enabled:
-            return None
-        tpot_s = self.slo.target(priority).tpot_s
-        ready = [e for e in self.pool.for_model(model) if e.routable and serves_whole(e)]
-        if not ready or any(e.latency is None or not e.latency.best_effort(tpot_s)
-                            for e in ready):
-            return None
-        return best_effort_wait_s(max_wait_s, self.band_demand(model).service_s(priority))
+        """:meth:`limits.slo_gate.SloGate.best_effort_wait_s` over the ready engines
+        serving whole requests of ``model``."""
+        ready = [e.id for e in self.pool.for_model(model) if e.routable and serves_whole(e)]
+        return self.gate.best_effort_wait_s(model, priority, max_wait_s, ready)
 
     def within_slo(self, engines: list[Engine], need: Need, now: float,
                    prefill: Sequence[Engine] = ()) -> list[Engine]:
         """The engines among ``engines`` (candidates of :meth:`candidates`, so ready
-        ones) predicted to serve ``need`` within its band's SLO
-        (:func:`limits.engine_latency.decide`), keeping room for more urgent bands;
-        bursts pass while the long-run occupancy (all bands), shared among the ready
-        engines in proportion to their knees, is under each engine's knee. Engines
-        that can meet the request's SLO are preferred: those that take it only at best
-        effort (:meth:`~limits.engine_latency.EngineLatency.best_effort`: too slow for
-        its TPOT target even alone) are returned only when none of the others would.
-        ``prefill``: the prefill engines with room for a request that may be split
-        (then no engine here computes its prompt; empty otherwise).
+        ones) the SLO gate admits ``need`` on (:meth:`limits.slo_gate.SloGate.admit`),
+        in their order. ``prefill``: the prefill engines with room for a request that
+        may be split (then no engine here computes its prompt; empty otherwise).
 
         Raises:
-            Rejected: ``OVERLOADED`` (reason ``predicted_miss``) when, with every
-                ready engine's TTFT fit trusted (``LatencyModel.ttft_trusted``: the
-                prediction read here; its TPOT model need not be), even one with no
-                prefill queued would start the request after its TTFT target because
-                of the time it has already waited (it could have met it on arrival):
-                serving it late would only take capacity from requests that can still
-                make theirs. Issue 44: gated on the TPOT model's trust, one engine
-                whose TPOT fit stayed untrusted under load turned this off for the
-                whole fleet, and late requests stayed queued in front of engines
-                below their knees.
-                Engines at best effort for the request do not count; one of them with
-                room takes the request instead (a late start there costs no one's
-                SLO).
+            Rejected: ``predicted_miss``, as :meth:`~limits.slo_gate.SloGate.admit`.
         """
         assert need.arrived is not None
-        model, priority = need.sched.model, need.priority
-        target = self.slo.target(priority)
-        budget = self.ttft_budget_s(need, now)
-        z = self.adaptive.confidence_z
+        model = need.sched.model
         ready = [e for e in self.pool.for_model(model) if e.routable and serves_whole(e)]
+        by_id = {e.id: e for e in ready}
+
         # a request one of the ``prefill`` engines can take computes none of its prompt
         # on the decode engine: its decode leg waits there only for the prefill queued
         # ahead of it (whether it is split is the disaggregation choice, made among
         # these engines)
-        def uncached(e: Engine) -> int:
-            return 0 if prefill else self.uncached(e, need.sched, now)
+        def uncached(engine_id: str) -> int:
+            return 0 if prefill else self.uncached(by_id[engine_id], need.sched, now)
 
-        best = math.inf  # the soonest start on an engine that can meet the SLO
-        for e in ready:
-            lat = e.latency
-            if lat is None or not lat.model.ttft_trusted:
-                best = -math.inf  # not known: no shedding
-                break
-            if not lat.best_effort(target.tpot_s):
-                best = min(best, lat.model.predict_ttft(uncached(e), lat.decoding).upper(z))
-        demand = self.band_demand(model)
-        # the knees and free places of the engines with a learned limit for this band
-        loads = {e.id: engine_load(e) for e in ready}
-        knees: dict[str, int] = {}
-        free: dict[str, int] = {}
-        for e in ready:
-            if e.latency is not None and (k := e.latency.limit(target.tpot_s)) is not None:
-                knees[e.id] = k
-                free[e.id] = max(0, k - e.latency.occupied(loads[e.id]))
-        places = sum(knees.values())
-        ttft_targets = {b: self.slo.target(b).ttft_s for b in PRIORITIES}
-        keep = demand.urgent_free(priority, places, ttft_targets)
-        total_free = sum(free.values())
-        # the long-run occupancy of this band and the more urgent ones (the others
-        # yield to them), shared among the engines as their knees are
-        per_knee = demand.occupancy_through(priority) / max(1, places)
-        # whether an engine not at best effort for the band may take it (else a
-        # best-effort engine takes it by its capacity signals alone)
-        elsewhere = any(e.latency is None or not e.latency.best_effort(target.tpot_s)
-                        for e in ready)
-        within, best_effort = [], []
-        for e in engines:
-            if e.latency is None:
-                within.append(e)
-                continue
-            verdict = e.latency.decide(
-                uncached(e), budget, target.tpot_s,
-                loads[e.id],
-                max(0, keep - (total_free - free.get(e.id, 0))),
-                per_knee * knees.get(e.id, 0), elsewhere, ttft_target_s=target.ttft_s)
-            if verdict.admit:
-                (best_effort if verdict.best_effort else within).append(e)
-        if budget < best <= target.ttft_s:
-            if best_effort:
-                return best_effort
-            raise Rejected(Outcome.OVERLOADED,
-                           f"no engine can start this {priority} request within its "
-                           f"{target.ttft_s:g} s TTFT target any more; shed",
-                           retry_after_s=self.retry_after(model), reason="predicted_miss")
-        return within or best_effort
+        admitted = self.gate.admit(
+            model, need.priority, self.ttft_budget_s(need, now),
+            [ReadyEngine(e.id, engine_load(e)) for e in ready], [e.id for e in engines],
+            uncached)
+        chosen = {e.id: e for e in engines}
+        return [chosen[i] for i in admitted]
 
     def place(self, need: Need, exclude: frozenset[str] = frozenset()) -> Placement | None:
         """Pick an engine with room for ``need`` (and, with adaptive admission, within
@@ -354,35 +345,28 @@ class Placer:
         blocks = kv_blocks(need.tokens, engine.block_size)
         lease = self.pool.lease(engine, blocks)
         self.scheduler.record(need.sched, engine, now)
-        if engine.latency is None:
-            return Placement(lease, decision.scores, uncached=uncached,
-                             prefix_tokens=decision.prefix_tokens)
-        return Placement(lease, decision.scores, uncached=uncached,
-                         flight=self._open_flight(engine, uncached, need),
-                         on_release=self._close_flight, prefix_tokens=decision.prefix_tokens)
+        placement = Placement(lease, decision.scores, uncached=uncached,
+                              prefix_tokens=decision.prefix_tokens, need=need)
+        self._open_flight(placement, uncached, need)
+        return placement
 
-    def _open_flight(self, engine: Engine, uncached: int, need: Need) -> Flight:
-        """``need`` goes to ``engine`` computing ``uncached`` prompt tokens there: its
-        flight in the engine's latency ledger, whose predicted time on the engine
-        feeds the band's demand."""
-        assert engine.latency is not None
-        flight = engine.latency.sent(uncached, need.sched.prompt_tokens,
-                                     self.slo.target(need.priority).tpot_s,
-                                     PRIORITIES.index(need.priority), need.output_tokens)
-        self.band_demand(engine.model).started(need.priority, flight.expected_s)
-        return flight
+    def _open_flight(self, placement: Placement, uncached: int, need: Need) -> None:
+        """``need`` goes to ``placement``'s engine computing ``uncached`` prompt tokens
+        there: its flight in the gate's ledger of the engine
+        (:meth:`limits.slo_gate.SloGate.open_flight`), closed on release; nothing
+        without a ledger."""
+        engine = placement.engine
+        flight = self.gate.open_flight(engine.id, engine.model, uncached,
+                                       need.sched.prompt_tokens, need.priority,
+                                       need.output_tokens)
+        if flight is not None:
+            placement.flight, placement.gate = flight, self.gate
+            placement.on_release = self._close_flight
 
     def _close_flight(self, placement: Placement) -> None:
-        """A placement's release: its flight leaves the ledger (learning nothing if
-        the caller did not finish it) and its time on the engine feeds the band's
-        demand."""
-        flight, engine = placement.flight, placement.engine
-        assert flight is not None and engine.latency is not None
-        engine.latency.finished(flight, ok=False)  # no-op if already finished
-        self.band_demand(engine.model).served(
-            PRIORITIES[flight.band], self.clock.now() - flight.sent_at,
-            None if flight.first_at is None else flight.first_at - flight.sent_at,
-            flight.expected_s)
+        """A placement's release: :meth:`limits.slo_gate.SloGate.close_flight`."""
+        assert placement.flight is not None
+        self.gate.close_flight(placement.engine.id, placement.engine.model, placement.flight)
 
     def _place_split(self, need: Need, candidates: list[Engine], prefill: Sequence[Engine],
                      now: float) -> Placement | None:
@@ -396,52 +380,22 @@ class Placer:
         choice = self.disagg.choose(sched.prompt_tokens, cached, candidates, prefill)
         if choice is None:
             return None
-        sheddable = self._sheddable(need, choice)
-        if sheddable and budget < choice.ttft_s:
-            self._shed(need, choice)
+        sheddable = self.gate.sheddable(need.priority, choice.observed, choice.alone_s)
+        if sheddable:  # predicted to start after its TTFT budget: shed (predicted_miss)
+            self.gate.check_start(sched.model, need.priority, budget, choice.ttft_s)
         lease = self.pool.lease(choice.decode, kv_blocks(need.tokens, choice.decode.block_size))
         self.scheduler.record(sched, choice.decode, now)
         scores = {"pd_split": float(choice.prefill is not None),
                   "pd_predicted_ttft_ms": choice.ttft_s * 1000}
         placement = Placement(lease, scores, uncached=choice.uncached,
                               start_by=now + budget - choice.alone_s, sheddable=sheddable,
-                              hold_local=choice.prefill is None and self.disagg.holds_local)
+                              hold_local=choice.prefill is None and self.disagg.holds_local,
+                              need=need)
         if choice.prefill is not None:
             placement.prefill = self._lease_prefill(need, choice.prefill, now)
-        if choice.decode.latency is not None:  # the decode engine's ledger holds it
-            local = choice.uncached if choice.prefill is None else 0  # a leg: KV loaded
-            placement.flight = self._open_flight(choice.decode, local, need)
-            placement.on_release = self._close_flight
+        # the decode engine's ledger holds it; a leg computes nothing there (KV loaded)
+        self._open_flight(placement, choice.uncached if choice.prefill is None else 0, need)
         return placement
-
-    def _sheddable(self, need: Need, choice: Choice) -> bool:
-        """Whether a split model's request on ``choice`` is shed once predicted to
-        start after its TTFT budget (its band's target less the time it already
-        waited; at placement, and for its prefill leg while held at the gateway), as
-        :meth:`within_slo` sheds a whole request: served late, it would only delay the
-        prefills queued behind it, which can still make their targets. Only with
-        adaptive admission, where the estimate is the gateway's own observation
-        (:attr:`~gateway.disagg.Choice.observed`), and where the request could have met
-        its target with no prefill queued ahead (a prompt too long for the target even
-        alone is served at best effort)."""
-        return (self.adaptive.enabled and choice.observed
-                and choice.alone_s <= self.slo.target(need.priority).ttft_s)
-
-    def _shed(self, need: Need, choice: Choice) -> None:
-        """Shed a request whose chosen option (when it is late, none is in time and
-        it is the soonest: :meth:`~gateway.disagg.Disaggregator.choose`) is predicted
-        to start after its TTFT budget (:meth:`_sheddable`).
-
-        Raises:
-            Rejected: ``OVERLOADED``, reason ``predicted_miss``.
-        """
-        target = self.slo.target(need.priority)
-        raise Rejected(Outcome.OVERLOADED,
-                       f"this {need.priority} request would start after its "
-                       f"{target.ttft_s:g} s TTFT target (predicted "
-                       f"{choice.ttft_s:.2f} s); shed",
-                       retry_after_s=self.retry_after(need.sched.model),
-                       reason="predicted_miss")
 
     def _lease_prefill(self, need: Need, engine: Engine, now: float) -> EngineLease:
         lease = self.pool.lease(engine, kv_blocks(need.sched.prompt_tokens, engine.block_size))
@@ -485,6 +439,24 @@ class Placer:
             return None
         return await self.disagg.queue.admit(placement.engine, placement.uncached,
                                              placement.start_by, placement.sheddable)
+
+    @asynccontextmanager
+    async def local_prefill(self, placement: Placement, tracked: bool,
+                            spans: Spans) -> AsyncIterator[Callable[[], None] | None]:
+        """A ``tracked`` whole request's prefill on ``placement``'s engine: held
+        first where the policy holds local prefills (:meth:`hold_local_prefill`, in a
+        ``queue.prefill`` span), then counted while the request runs
+        (:meth:`prefill_tracking`, whose first-token callback it yields).
+
+        Raises:
+            LegShed: as :meth:`hold_local_prefill`.
+        """
+        held = None
+        if tracked:
+            with spans("queue.prefill"):
+                held = await self.hold_local_prefill(placement)
+        with self.prefill_tracking(placement, tracked, held) as first_token:
+            yield first_token
 
     @contextmanager
     def prefill_tracking(self, placement: Placement, tracked: bool,

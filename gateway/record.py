@@ -4,9 +4,11 @@ refused before the pipeline: 401, 404, 413) and handed to observers once it ends
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from limits.degrade import DEGRADED_HEADER
 from limits.outcome import Outcome
 
 #: Label used for a tenant that could not be identified (401s, unknown paths).
@@ -58,6 +60,25 @@ class RequestRecord:
     finish_reasons: list[str] = field(default_factory=list)
     started: float = 0.0
     duration_s: float = 0.0
+
+    def cache_hit(self, kind: str, usage: Mapping[str, Any], ttft_s: float) -> None:
+        """Answered from the response cache (``kind``: ``exact`` or ``semantic``) with
+        the cached answer's ``usage`` tokens, ``ttft_s`` after it arrived."""
+        self.cache, self.outcome = f"hit-{kind}", Outcome.CACHE_HIT
+        self.prompt_tokens = usage.get("prompt_tokens", 0)
+        self.completion_tokens = usage.get("completion_tokens", 0)
+        self.ttft_s = ttft_s
+
+    def headers(self) -> dict[str, str]:
+        """The pipeline's response headers from this record: ``x-request-id``,
+        ``x-sluice-queue-ms``, ``x-sluice-cache`` and, when any rung applied, the
+        degradation actions (:data:`limits.degrade.DEGRADED_HEADER`)."""
+        out = {"x-request-id": self.request_id,
+               "x-sluice-queue-ms": f"{(self.queue_s or 0.0) * 1000:.1f}",
+               "x-sluice-cache": self.cache}
+        if self.degraded:
+            out[DEGRADED_HEADER] = ", ".join(self.degraded)
+        return out
 
     @property
     def overshoot_tokens(self) -> int:

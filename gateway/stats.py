@@ -24,6 +24,7 @@ from engines.pool import Engine, EnginePool
 from gateway.metrics import GatewayMetrics, concurrency_limit
 from gateway.reload import ReloadEvent
 from limits.admission import AdmissionQueue
+from limits.slo_gate import SloGate
 
 ADMITTED = {"ok", "cache_hit"}
 #: Rejections that mean the gateway or its engines are overloaded (``sluice_rejected``
@@ -111,8 +112,10 @@ class StatsFeed:
     def __init__(self, *, metrics: GatewayMetrics, pool: EnginePool,
                  queues: Mapping[str, AdmissionQueue[Any]],
                  reloads: Iterable[ReloadEvent], interval_s: float = 1.0,
-                 samples: int = 300, window_s: float = 60.0, tpot_target_s: float = 0.1) -> None:
+                 samples: int = 300, window_s: float = 60.0, tpot_target_s: float = 0.1,
+                 gate: SloGate | None = None) -> None:
         self.metrics, self.pool, self.queues, self.reloads = metrics, pool, queues, reloads
+        self.gate = gate
         self.interval_s = interval_s
         self._started = time.monotonic()
         self.window = max(1, round(window_s / interval_s))
@@ -165,7 +168,7 @@ class StatsFeed:
             series = self.engine_series.setdefault(e.id, {
                 "limit": deque([None] * (len(self.t) - 1), maxlen=self._samples),
                 "in_flight": deque([None] * (len(self.t) - 1), maxlen=self._samples)})
-            series["limit"].append(concurrency_limit(e, self.tpot_target_s))
+            series["limit"].append(concurrency_limit(e, self.tpot_target_s, self.gate))
             series["in_flight"].append(e.in_flight)
 
     async def run(self) -> None:
@@ -216,8 +219,8 @@ class StatsFeed:
             "waiting": e.metrics.num_waiting if e.metrics else 0,
             "in_flight": e.in_flight, "restarts": e.restarts,
             "kv_capacity_tokens": e.kv_capacity_tokens,
-            "limit": concurrency_limit(e, self.tpot_target_s),
-            "mode": e.latency.mode(self.tpot_target_s) if e.latency is not None else None,
+            "limit": concurrency_limit(e, self.tpot_target_s, self.gate),
+            "mode": self.gate.mode(e.id, self.tpot_target_s) if self.gate is not None else None,
             "output_tokens_per_hour": self._rates.get(e.id, (None, None))[0],
             "cost_per_1k_output_tokens": self._rates.get(e.id, (None, None))[1],
         } for e in self.pool.engines]

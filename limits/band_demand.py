@@ -118,7 +118,7 @@ class BandDemand:
         slow estimate at that larger one (:meth:`DrainRate.restart`: an average
         restarted at a detected change), so the long-run reading stays at the new
         level when the fast one next dips, rather than taking ``τs`` to get there:
-        the burst rule of :func:`decide` trusts it, and a lagging reading let the
+        the burst rule of :func:`limits.decision.decide` trusts it, and a lagging reading let the
         fleet fill past its knees in the seconds after a surge's first cluster."""
         now = self.clock.now()
         slow = {b: self._rate[b].rate(now) for b in bands}

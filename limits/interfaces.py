@@ -8,6 +8,10 @@
   ``engines``).
 * :class:`EngineCounters` — an engine's scraped latency histograms and token counters,
   as the engines' metric parsers record them and the latency ledger reads them.
+* :class:`ReadyEngine` — one ready engine as the SLO gate (:mod:`limits.slo_gate`)
+  needs it: its id and reported load.
+* :class:`SloView` — what the scheduler's scorers read of the SLO gate (queued
+  prefill, TTFT̂ per engine id).
 """
 
 from __future__ import annotations
@@ -188,3 +192,32 @@ class EngineCounters:
     external_tokens: float = 0.0
     queried_tokens: float | None = None
     generated_tokens: float | None = None
+
+
+@dataclass(frozen=True)
+class ReadyEngine:
+    """One ready engine as :meth:`limits.slo_gate.SloGate.admit` reads it.
+
+    Attributes:
+        id: the engine's id (its ledger's key).
+        load: requests on the engine, this process's and other clients' in its last
+            report (``engines.plugins.engine_load``).
+    """
+
+    id: str
+    load: int
+
+
+class SloView(Protocol):
+    """The SLO gate's read-only view for the scheduler's scorers
+    (:class:`limits.slo_gate.SloGate` implements it)."""
+
+    def pending_prefill_tokens(self, engine_id: str) -> int:
+        """Uncached prompt tokens of this process's requests on the engine that have
+        not had their first token (0 without a ledger)."""
+        ...
+
+    def predicted_ttft_s(self, engine_id: str, uncached_tokens: int) -> float | None:
+        """Mean TTFT̂ of a request of ``uncached_tokens`` sent to the engine now, s
+        (None without a ledger)."""
+        ...

@@ -72,7 +72,8 @@ class Gateway:
         """Wait until the gateway finished every request :meth:`post` sent and every
         answer it stores in the cache off the response path."""
         director = self.app[DIRECTOR]
-        await wait_for(lambda: self.finished >= self.sent and not director._background,
+        stores = director.cache._background if director.cache is not None else set()
+        await wait_for(lambda: self.finished >= self.sent and not stores,
                        what="the gateway to finish its requests and cache stores")
 
 

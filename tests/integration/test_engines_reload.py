@@ -26,7 +26,7 @@ import yaml
 
 from config.loader import load_config
 from engines.pool import EngineState
-from gateway.keys import DIRECTOR, RELOADER, SCHEDULER, SUPERVISOR
+from gateway.keys import DIRECTOR, RELOADER, SCHEDULER, SLO_GATE, SUPERVISOR
 from tests.conftest import free_port
 from tests.integration.conftest import FAST_SUPERVISOR, run_gateway
 from tests.support import wait_for, wait_for_sync
@@ -166,7 +166,7 @@ async def test_engines_added_changed_and_removed_by_editing_the_file(tmp_path: P
         await wait_for(lambda: gw.pool.get("b") is None, 30, "b retired")
         assert second.returncode is not None
         assert index.entries("b") == index.approximate.entries("b") == 0
-        assert index.predicted.entries("b") == 0 and b.latency is not None
+        assert index.predicted.entries("b") == 0 and not gw.app[SLO_GATE].tracks("b")
         assert [x.engine.id for x in sup.runners] == ["a"]
         text = await metrics_text(gw)
         assert 'engine="b"' not in text

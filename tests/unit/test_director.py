@@ -172,7 +172,7 @@ async def test_cache_hit_answers_without_an_engine_and_reserves_no_tokens() -> N
     h = Harness(config(), FakeClient(completion=3), cache=True)
     rec, _ = await h.run(chat(max_tokens=10, temperature=0))
     assert rec.outcome is Outcome.OK and rec.cache == "miss"
-    for task in list(h.director._background):
+    for task in list(h.director.cache._background):
         await task
     rec, resp = await h.run(chat(max_tokens=10, temperature=0))
     assert rec.outcome is Outcome.CACHE_HIT and rec.cache == "hit-exact"
@@ -366,7 +366,7 @@ async def test_a_request_whose_ttft_target_has_passed_is_shed_as_predicted_miss(
     from limits.latency_model import LatencyPrior
     clock = Clock()
     h = Harness(config(engines=1), FakeClient(), clock)
-    lat = h.pool.get("e0").latency
+    lat = h.director.gate.ledger("e0")
     assert lat is not None
     # a trusted model: 50 ms + 1 ms per prefill token
     lat.model.__init__(LatencyPrior(ttft_overhead_s=0.05, prefill_s_per_token=0.001,
@@ -393,14 +393,14 @@ async def test_an_engine_too_slow_for_the_slo_takes_what_the_others_cannot_serve
     clock = Clock()
     h = Harness(config(engines=2), FakeClient(), clock)
     for name, step_s in (("e0", 0.02), ("e1", 0.2)):  # e1: TPOT 200 ms alone > 100 ms
-        lat = h.pool.get(name).latency
+        lat = h.director.gate.ledger(name)
         assert lat is not None
         lat.model.__init__(LatencyPrior(ttft_overhead_s=0.05, prefill_s_per_token=0.001,
                                         step_s=step_s, rel_std=1e-6), min_samples=0)
         lat.model.tpot_rel_error = 0.0
         lat.model.observe_tpot(step_s + 0.003, 1.0, 0.0, 10)  # seen decoding alone
-    assert h.pool.get("e1").latency.mode(0.1) == "best_effort"
-    assert h.pool.get("e0").latency.mode(0.1) == "model"
+    assert h.director.gate.ledger("e1").mode(0.1) == "best_effort"
+    assert h.director.gate.ledger("e0").mode(0.1) == "model"
     chat_tenant = TenantQuota(name="chat", priority="interactive")
     for _ in range(10):  # in time: always the engine that meets the SLO
         rec, _ = await h.run(chat(max_tokens=5), chat_tenant)
@@ -411,7 +411,7 @@ async def test_an_engine_too_slow_for_the_slo_takes_what_the_others_cannot_serve
     assert rec.outcome is Outcome.OK and rec.engine == "e1"
     # but not behind 10,000 prefill tokens queued there (TTFT̂ ~10 s): best effort
     # keeps the TTFT rule, so the request is shed rather than sent to start that late
-    e1 = h.pool.get("e1").latency
+    e1 = h.director.gate.ledger("e1")
     e1.pending_prefill_tokens += 10_000
     h.pool.set_metrics(h.pool.get("e0"), MetricsSnapshot(
         at=clock.t, kv_cache_usage=0.1, block_size=16, num_blocks=1000))
@@ -435,7 +435,7 @@ async def test_a_lone_best_effort_engine_takes_requests_behind_any_queued_prefil
     from limits.latency_model import LatencyPrior
     clock = Clock()
     h = Harness(config(engines=1), FakeClient(), clock)
-    lat = h.pool.get("e0").latency
+    lat = h.director.gate.ledger("e0")
     assert lat is not None
     lat.model.__init__(LatencyPrior(ttft_overhead_s=0.05, prefill_s_per_token=0.001,
                                     step_s=0.2, rel_std=1e-6), min_samples=0)

@@ -158,16 +158,18 @@ def test_the_step_budget_comes_from_a_trusted_latency_model():
     target over the observed prefill speed."""
     from limits.engine_latency import EngineLatency
     from limits.latency_model import LatencyModel, LatencyPrior
+    from limits.slo_gate import SloGate
 
     clock = ManualClock()
     prior = LatencyPrior(step_s=0.01, step_s_per_seq=0.001, step_s_per_prefill_token=5e-5)
     model = LatencyModel(prior, min_samples=5)
     busy = eng("d", "decode", in_flight=3)
-    busy.latency = EngineLatency(model, clock)
+    gate = SloGate(clock=clock)
+    gate.ledgers["d"] = ledger = EngineLatency(model, clock)
     for _ in range(3):
-        busy.latency.first_token(busy.latency.sent(0, 100, 0.1))
+        ledger.first_token(ledger.sent(0, 100, 0.1))
     d = Disaggregator(DisaggregationConfig(prefill_tokens_per_s=10_000), clock,
-                      tpot_target_s=0.1)
+                      tpot_target_s=0.1, gate=gate)
     assert not model.confident
     assert d.step_tokens(busy) == pytest.approx(1000)  # 100 ms at 100 µs per token
     for _ in range(12):  # steps exactly as the prior says: trusted, parameters kept
@@ -175,7 +177,7 @@ def test_the_step_budget_comes_from_a_trusted_latency_model():
     assert model.confident
     # 3 decoding + this one: (0.1 − 0.01 − 0.004) / 5e-5 = 1,720 tokens
     assert d.step_tokens(busy) == pytest.approx(1720, rel=0.02)
-    stalled = Disaggregator(DisaggregationConfig(max_decode_stall_ms=20), clock)
+    stalled = Disaggregator(DisaggregationConfig(max_decode_stall_ms=20), clock, gate=gate)
     assert stalled.step_tokens(busy) == pytest.approx(400, rel=0.02)  # 20 ms / 50 µs
 
 

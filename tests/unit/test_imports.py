@@ -28,11 +28,7 @@ MAY_IMPORT = {
 SHARED = {"limits.interfaces", "limits.clock"}
 #: Deliberate exceptions, (file, imported module) → why; docs/architecture.md names
 #: the same ones. The test fails when one is no longer needed, so the list stays true.
-EXCEPTIONS = {
-    ("engines/pool.py", "limits.engine_latency"):
-        "temporary: Engine.latency holds the engine's SLO ledger until one SLO gate in "
-        "limits owns it (issue 40)",
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def sources() -> list[Path]:

@@ -16,7 +16,7 @@ CHAT = TenantQuota(name="chat", priority="interactive")
 def trusted_ttft(h: Harness, name: str, *, tpot_trusted: bool) -> None:
     """``name``'s model: 50 ms + 1 ms per prefill token, its TTFT fit trusted; its TPOT
     model trusted or not (predictions off by 100 %: the gradient limiter admits)."""
-    lat = h.pool.get(name).latency
+    lat = h.director.gate.ledger(name)
     assert lat is not None
     lat.model.__init__(LatencyPrior(ttft_overhead_s=0.05, prefill_s_per_token=0.001,
                                     rel_std=1e-6), min_samples=0)
@@ -29,7 +29,7 @@ async def test_a_late_request_is_shed_though_one_engine_s_tpot_model_is_untruste
     h = Harness(config(engines=2), FakeClient(), clock)
     trusted_ttft(h, "e0", tpot_trusted=True)
     trusted_ttft(h, "e1", tpot_trusted=False)
-    assert h.pool.get("e1").latency.mode(0.1) == "gradient"
+    assert h.director.gate.mode("e1", 0.1) == "gradient"
     # 0.99 s of the interactive 1 s target pass while the request is read
     clock.step = 0.33
     rec, e = await h.run(chat(max_tokens=5), CHAT)

@@ -13,15 +13,13 @@ import pytest
 
 from limits import latency_model
 from limits.band_demand import BandDemand
-from limits.engine_latency import (
-    EngineLatency,
-    IntervalObservations,
-    decide,
-    interval_observations,
-)
+from limits.decision import decide
+from limits.engine_latency import EngineLatency
 from limits.gradient import GradientLimiter
 from limits.interfaces import EngineCounters
-from limits.latency_model import LatencyModel, LatencyPrior, RecursiveLeastSquares
+from limits.intervals import IntervalObservations, interval_observations
+from limits.latency_model import LatencyModel, LatencyPrior
+from limits.rls import RecursiveLeastSquares
 
 
 class FakeClock:
@@ -632,17 +630,20 @@ def test_a_scrape_interval_that_a_prefill_may_touch_does_not_fit_tpot() -> None:
 
 def test_pool_feeds_scrapes_to_the_engines_latency_model() -> None:
     from engines.pool import Engine, EnginePool, MetricsSnapshot
+    from limits.slo_gate import SloGate
 
     clock = FakeClock()
     e = Engine(id="e", model="m", base_url="http://x")
-    e.latency = EngineLatency(LatencyModel(), clock)
+    gate = SloGate(clock=clock)
+    gate.ledgers["e"] = latency = EngineLatency(LatencyModel(), clock)
     pool = EnginePool([e])
+    pool.on_counters.append(gate.scraped)
     for t, n in ((1.0, 0), (2.0, 20)):
         pool.set_metrics(e, MetricsSnapshot(at=t, counters=EngineCounters(
             at=t, load=4, running=4, itl_sum_s=0.06 * n, itl_count=n)))
-    assert e.latency.model.tpot.samples == 1
+    assert latency.model.tpot.samples == 1
     pool.set_metrics(e, MetricsSnapshot(at=3.0))  # no histograms: nothing learned
-    assert e.latency.model.tpot.samples == 1
+    assert latency.model.tpot.samples == 1
 
 
 # ----------------------------------------------------------------------------- scorer
@@ -652,18 +653,20 @@ def test_predicted_ttft_scorer_weighs_cached_tokens_against_queued_prefill() -> 
     from engines.plugins import SCORERS, PredictedTtft
     from engines.pool import Engine
     from engines.scheduler import SchedRequest
+    from limits.slo_gate import SloGate
 
     assert SCORERS["predicted-ttft"] is PredictedTtft
     clock = FakeClock()
+    gate = SloGate(clock=clock)
     engines = []
     for name in ("a", "b", "c"):
         e = Engine(id=name, model="m", base_url=f"http://{name}")
-        e.latency = EngineLatency(fitted(), clock)
+        gate.ledgers[name] = EngineLatency(fitted(), clock)
         engines.append(e)
-    engines[1].latency.sent(800, 800, 0.1)  # b has 800 prefill tokens queued
+    gate.ledgers["b"].sent(800, 800, 0.1)  # b has 800 prefill tokens queued
     # a 400-token prompt (4 blocks of 100); c holds 3 of its blocks in its prefix cache
     req = SchedRequest(model="m", tenant="t", prompt_tokens=400, blocks=(1, 2, 3, 4),
-                       block_size=100, prefix_matches={"c": 3})
+                       block_size=100, prefix_matches={"c": 3}, slo=gate)
     scores = PredictedTtft().score(req, engines, 0.0)
     # TTFT̂: a 66 + 476 ms, b 66 + 1428 ms, c 66 + 119 ms
     assert scores[2] == 1.0

@@ -29,6 +29,7 @@ from engines.pool import Engine, EngineState, MetricsSnapshot
 from engines.scheduler import SchedRequest, Scheduler
 from limits.engine_latency import EngineLatency
 from limits.latency_model import LatencyModel
+from limits.slo_gate import SloGate
 from tests.support import ManualClock
 
 REQ = SchedRequest(model="m", tenant="t", prompt_tokens=10)
@@ -98,26 +99,26 @@ def test_kv_cache_usage_and_queue_depth_scores() -> None:
     assert QueueDepth().score(REQ, [eng("a"), eng("b")], 0) == [1.0, 1.0]
 
 
-def ledger_eng(id_: str, clock: ManualClock, in_flight: int = 0) -> Engine:
-    """An engine with the gateway's request ledger (adaptive admission on)."""
+def ledger_eng(id_: str, gate: SloGate, in_flight: int = 0) -> Engine:
+    """An engine with the gateway's request ledger in ``gate`` (adaptive admission on)."""
     e = eng(id_, in_flight=in_flight)
-    e.latency = EngineLatency(LatencyModel(), clock)
+    gate.ledgers[id_] = EngineLatency(LatencyModel(), gate.clock)
     return e
 
 
 def test_prefill_backlog_scores_queued_plus_own_uncached_tokens() -> None:
-    clock = ManualClock()
-    a, b, c = (ledger_eng(x, clock) for x in "abc")
-    flight = b.latency.sent(8000, 8000, 0.1)  # b: 8,000 uncached tokens not prefilled yet
-    c.latency.sent(1000, 1000, 0.1)
+    gate = SloGate(clock=ManualClock())
+    a, b, c = (ledger_eng(x, gate) for x in "abc")
+    flight = gate.ledger("b").sent(8000, 8000, 0.1)  # b: 8,000 uncached tokens not prefilled yet
+    gate.ledger("c").sent(1000, 1000, 0.1)
     # 4,000 tokens in 4 blocks of 1,000; c holds the first 3 in its prefix cache
     req = SchedRequest(model="m", tenant="t", prompt_tokens=4000, blocks=(1, 2, 3, 4),
-                       block_size=1000, prefix_matches={"c": 3})
+                       block_size=1000, prefix_matches={"c": 3}, slo=gate)
     # cost: a 0 + 4000, b 8000 + 4000, c 1000 + 1000 tokens
     assert PrefillBacklog().score(req, [a, b, c], 0) == [0.5, 2000 / 12000, 1.0]
-    b.latency.first_token(flight)  # b's queued prompt is prefilled: it now costs 4,000
+    gate.ledger("b").first_token(flight)  # b's queued prompt is prefilled: it now costs 4,000
     assert PrefillBacklog().score(req, [a, b, c], 0) == [0.5, 0.5, 1.0]
-    b.latency.finished(flight, completion_tokens=10)
+    gate.ledger("b").finished(flight, completion_tokens=10)
     assert PrefillBacklog().score(req, [b], 0) == [1.0]
 
 
@@ -133,16 +134,17 @@ def test_shipped_policy_avoids_a_long_prefill_queue_and_keeps_a_long_prefix() ->
     path = Path(__file__).resolve().parents[2] / "config" / "engines.yaml"
     sched = EnginesConfig.model_validate(yaml.safe_load(path.read_text())).scheduler
     s = Scheduler(sched, random.Random(0))
-    clock = ManualClock()
+    gate = SloGate(clock=ManualClock())
+    s.slo = gate
     # a runs one request with a 60k-token prompt still in prefill; b decodes three
-    a, b = ledger_eng("a", clock, in_flight=1), ledger_eng("b", clock, in_flight=3)
-    a.latency.sent(60_000, 60_000, 0.1)
+    a, b = ledger_eng("a", gate, in_flight=1), ledger_eng("b", gate, in_flight=3)
+    gate.ledger("a").sent(60_000, 60_000, 0.1)
     fresh = SchedRequest(model="m", tenant="t", prompt_tokens=2000, blocks=(7,), block_size=1000)
     assert s.pick(fresh, [a, b], 0).engine is b  # queue-depth alone would choose a
     # a follow-up turn whose 20k-token prefix a holds goes there although a must
     # still prefill 5k tokens: 5k + 2k to compute there, 22k on b
-    a.latency.finished(next(iter(a.latency.flights)), ok=False)
-    a.latency.sent(5000, 5000, 0.1)
+    gate.ledger("a").finished(next(iter(gate.ledger("a").flights)), ok=False)
+    gate.ledger("a").sent(5000, 5000, 0.1)
     turn = SchedRequest(model="m", tenant="t", prompt_tokens=22_000,
                         blocks=tuple(range(100, 122)), block_size=1000)
     s.record(turn, a, 0)
