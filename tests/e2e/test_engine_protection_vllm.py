@@ -21,6 +21,7 @@ import pytest
 from engines.kinds.llamacpp import server_binary
 from loadtest.burst import chat_body, closed_loop
 from loadtest.launch import RunningGateway, gateway, llamacpp_config
+from tests.support import wait_for_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.load]
 MODEL = "gemma3-270m"
@@ -55,16 +56,20 @@ def test_gateway_kv_capacity_is_the_engines(served) -> None:
     (url,) = gw.engine_urls(MODEL)
     if kind == "vllm":
         text = httpx.get(url + "/metrics", timeout=10).text
-        m = re.search(r'^vllm:cache_config_info\{[^}]*kv_cache_size_tokens="(\d+)"', text,
-                      re.MULTILINE)
+        (info,) = [line for line in text.splitlines()
+                   if line.startswith("vllm:cache_config_info{")]
+        m = re.search(r'kv_cache_size_tokens="(\d+)"', info)
         assert m, "vllm:cache_config_info has no kv_cache_size_tokens"
         engine_tokens = int(m.group(1))
-        blocks = re.search(r'num_gpu_blocks="(\d+)"', m.group(0))
+        blocks = re.search(r'num_gpu_blocks="(\d+)"', info)  # labels come sorted: after it
         # Gemma 3's hybrid attention: the engine's figure, not num_gpu_blocks x block_size
         assert blocks and engine_tokens < int(blocks.group(1)) * 128
     else:
         props = httpx.get(url + "/props", timeout=10).json()
         engine_tokens = props["default_generation_settings"]["n_ctx"]
+    # the gateway reads it at its first scrape of the engine, which may follow readiness
+    wait_for_sync(lambda: engine_stats(gw)["kv_capacity_tokens"] is not None, timeout_s=30,
+                  what="the gateway's first scrape of the engine")
     assert engine_stats(gw)["kv_capacity_tokens"] == engine_tokens
 
 
