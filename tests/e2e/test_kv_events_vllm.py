@@ -28,6 +28,9 @@ SHIPPED = Path(__file__).resolve().parents[2] / "config" / "engines.yaml"
 def config() -> Config:
     raw = yaml.safe_load(SHIPPED.read_text(encoding="utf-8"))
     assert raw["scheduler"]["prefix"]["source"] == "events"  # shipped on for vLLM
+    # the generation engine alone (the shipped file also launches an embedding engine,
+    # which publishes no KV events)
+    raw["engines"] = [e for e in raw["engines"] if e["model"] == "gemma3-270m"]
     raw["engines"][0]["args"] = [*raw["engines"][0]["args"], "--enable-prompt-tokens-details"]
     # a route's own prediction expires at once: the second score must come from events
     raw["scheduler"]["prefix"]["predicted_ttl_s"] = 0.01
