@@ -67,6 +67,14 @@ async def test_limit_follows_observations_and_never_starves(gateway) -> None:
     errors: list[int] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
+        async def slots_read() -> bool:  # the gateway has read the llama engine's slots
+            m = await scrape(session, gateway.url)
+            return 0 <= gauge(m, "sluice_engine_concurrency_limit", "l", "llama-model") <= SLOTS
+
+        # until /props answers, the learned limit (4) is all the gateway knows; the
+        # slots cap it from the first read on, which is what the samples below check
+        await wait_for(slots_read, 30, "the llama engine's slots", poll_s=0.2)
+
         async def client(i: int, model: str) -> None:
             while True:
                 body = chat(f"{i} the river runs to the sea", 24, stream=True, model=model)
