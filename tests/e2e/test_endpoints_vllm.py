@@ -258,7 +258,12 @@ def test_responses_chain_across_workers_and_an_engine_restart(served) -> None:
                   60, "the supervisor to start the engine again")
     all_ready(gw)
     last = turns[-1]
-    after = oai(gw).responses.create(model=MODEL, input="And again, my name?",
-                                     previous_response_id=last.id, max_output_tokens=4)
+    # "ready" is the engine's state; its circuit breaker, opened by the kill, admits again
+    # only after an inference probe or a trial request, and until then the gateway answers
+    # 503 with Retry-After: the client honours it, as the SDK does by default
+    retrying = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=6,
+                             http_client=httpx.Client(timeout=300))
+    after = retrying.responses.create(model=MODEL, input="And again, my name?",
+                                      previous_response_id=last.id, max_output_tokens=4)
     # the restarted engine never saw the conversation: the gateway sent all of it
     assert after.usage.input_tokens > last.usage.input_tokens + last.usage.output_tokens
