@@ -2,7 +2,7 @@
 
 Exact key
     SHA-256 over a canonical JSON document (sorted keys, no whitespace) of the tenant's
-    cache namespace, the endpoint kind (``chat`` | ``completions``), the requested model,
+    cache namespace, the endpoint kind (:data:`EndpointKind`), the requested model,
     and the whole request body minus :data:`EXCLUDED_FIELDS`, after
     :func:`normalize_body` fills in OpenAI's defaults. Every other field, known or not,
     is part of the key (conservative: a field this gateway does not understand may
@@ -23,7 +23,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-EndpointKind = Literal["chat", "completions", "embeddings"]
+#: The endpoints the cache keys: chat and completions, embeddings, OpenAI Responses
+#: (with ``previous_response_id`` already expanded into the conversation it names, so
+#: the key covers the whole conversation) and Anthropic Messages.
+EndpointKind = Literal["chat", "completions", "embeddings", "responses", "messages"]
 
 #: Body fields that change transport or bookkeeping, never the generated text:
 #: ``stream`` / ``stream_options`` (a cached answer is replayed either way),
@@ -115,7 +118,7 @@ def make_key(namespace: str, endpoint: EndpointKind, model: str,
 
     Args:
         namespace: the tenant's cache namespace (``TenantQuota.namespace``).
-        endpoint: ``chat`` (``/v1/chat/completions``) or ``completions``.
+        endpoint: :data:`EndpointKind` (only ``chat`` has a semantic form).
         model: the model the answer comes from (the one the engine was asked for).
         body: the JSON body as the client sent it (not modified).
     """

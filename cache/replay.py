@@ -18,6 +18,26 @@ choice's ``logprobs`` ride on it), a finish chunk (empty delta, ``finish_reason`
 then, if ``stream_options.include_usage``, a chunk with ``choices: []`` and the usage
 (all earlier chunks carry ``usage: null``, as OpenAI does); then ``data: [DONE]``.
 Completions: per choice a text chunk and a finish chunk, then usage and ``[DONE]``.
+
+OpenAI Responses (``responses``): a fresh ``resp_`` id and ``created_at``; usage keeps
+its counts with ``input_tokens_details.cached_tokens`` = ``input_tokens``. Streamed as
+the Responses API's events, each an ``event:`` line and a ``data:`` line with its
+``sequence_number``: ``response.created``, ``response.in_progress``, per output item
+``response.output_item.added``, per part ``response.content_part.added``, one
+``response.output_text.delta`` with the part's whole text, ``response.output_text.done``,
+``response.content_part.done``, then ``response.output_item.done``, and
+``response.completed`` (``response.incomplete`` for one cut at ``max_output_tokens``)
+carrying the whole response (no ``[DONE]``).
+
+Anthropic Messages (``messages``): a fresh ``msg_`` id; usage keeps ``output_tokens``
+and moves the input to ``cache_read_input_tokens`` (Anthropic counts cache reads
+apart from ``input_tokens``, which becomes 0). Streamed as Anthropic's events
+(``event:`` and ``data:`` lines): ``message_start`` (the message without content, the
+usage's input part), per block ``content_block_start``, one ``content_block_delta``
+(``text_delta`` with the block's whole text), ``content_block_stop``; then
+``message_delta`` (``stop_reason``, ``stop_sequence``, the usage) and ``message_stop``.
+Which answers are stored (and so replayed) is :func:`cache.policy.response_storable`:
+only ones made of text, which these events rebuild exactly.
 """
 
 from __future__ import annotations
@@ -31,7 +51,8 @@ from typing import Any
 
 from cache.keys import EndpointKind
 
-_ID_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-"}
+_ID_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_",
+              "messages": "msg_"}
 _CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completions": "text_completion"}
 
 
@@ -46,19 +67,40 @@ def cached_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
+def _responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    out = dict(usage)
+    out["input_tokens_details"] = {**(usage.get("input_tokens_details") or {}),
+                                   "cached_tokens": usage.get("input_tokens", 0)}
+    return out
+
+
+def _messages_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    read = (usage.get("input_tokens") or 0) + (usage.get("cache_read_input_tokens") or 0)
+    return {**usage, "input_tokens": 0, "cache_read_input_tokens": read}
+
+
 def as_json(response: dict[str, Any], endpoint: EndpointKind, model: str,
             clock: Callable[[], float] = time.time) -> dict[str, Any]:
     """The cached ``response`` as a non-streaming body for a request for ``model``
     (embeddings: as stored, with the model and the usage unchanged — an embeddings
-    usage has no cached-token detail)."""
+    usage has no cached-token detail; the other endpoints: the module docstring)."""
     out = copy.deepcopy(response)
+    out["model"] = model
     if endpoint == "embeddings":
-        out["model"] = model
         return out
-    out.update(id=_ID_PREFIX[endpoint] + secrets.token_hex(12), created=int(clock()),
-               model=model)
-    if "usage" in out:
-        out["usage"] = cached_usage(out["usage"])
+    out["id"] = _ID_PREFIX[endpoint] + secrets.token_hex(12)
+    usage = out.get("usage")
+    if endpoint == "responses":
+        out["created_at"] = int(clock())
+        if isinstance(usage, dict):
+            out["usage"] = _responses_usage(usage)
+    elif endpoint == "messages":
+        if isinstance(usage, dict):
+            out["usage"] = _messages_usage(usage)
+    else:
+        out["created"] = int(clock())
+        if "usage" in out:
+            out["usage"] = cached_usage(usage)
     return out
 
 
@@ -83,12 +125,68 @@ def _completion_deltas(choice: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield {"text": "", "finish_reason": choice.get("finish_reason")}
 
 
+def _event(name: str, obj: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode("ascii") + b"\n" + _frame({"type": name, **obj})
+
+
+def _responses_events(body: dict[str, Any]) -> Iterator[bytes]:
+    head = {**body, "status": "in_progress", "output": [], "usage": None}
+    events: list[tuple[str, dict[str, Any]]] = [("response.created", {"response": head}),
+                                                ("response.in_progress", {"response": head})]
+    for oi, item in enumerate(body.get("output") or []):
+        events.append(("response.output_item.added", {"output_index": oi, "item": {
+            **item, "status": "in_progress", "content": []}}))
+        for ci, part in enumerate(item.get("content") or []):
+            at = {"item_id": item.get("id"), "output_index": oi, "content_index": ci}
+            events += [
+                ("response.content_part.added", {**at, "part": {**part, "text": ""}}),
+                ("response.output_text.delta", {**at, "delta": part["text"], "logprobs": []}),
+                ("response.output_text.done", {**at, "text": part["text"], "logprobs": []}),
+                ("response.content_part.done", {**at, "part": part})]
+        events.append(("response.output_item.done", {"output_index": oi, "item": item}))
+    end = "response.incomplete" if body.get("status") == "incomplete" else "response.completed"
+    events.append((end, {"response": body}))
+    for n, (name, obj) in enumerate(events):
+        yield _event(name, {**obj, "sequence_number": n})
+
+
+def _messages_events(body: dict[str, Any]) -> Iterator[bytes]:
+    usage = body.get("usage") or {}
+    start_usage = {k: v for k, v in usage.items() if k != "output_tokens"}
+    yield _event("message_start", {"message": {
+        **body, "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {**start_usage, "output_tokens": 0}}})
+    for i, block in enumerate(body.get("content") or []):
+        yield _event("content_block_start", {"index": i, "content_block": {**block, "text": ""}})
+        yield _event("content_block_delta", {"index": i, "delta": {
+            "type": "text_delta", "text": block["text"]}})
+        yield _event("content_block_stop", {"index": i})
+    yield _event("message_delta", {"delta": {"stop_reason": body.get("stop_reason"),
+                                             "stop_sequence": body.get("stop_sequence")},
+                                   "usage": usage})
+    yield _event("message_stop", {})
+
+
 def as_sse(response: dict[str, Any], endpoint: EndpointKind, model: str,
            include_usage: bool = False, clock: Callable[[], float] = time.time
            ) -> Iterator[bytes]:
-    """The cached ``response`` as SSE frames (``data: …\\n\\n``), ending with
-    ``data: [DONE]``; ``include_usage`` mirrors ``stream_options.include_usage``."""
-    body = as_json(response, endpoint, model, clock)
+    """The cached ``response`` as SSE frames (chat and completions: ``data: …\\n\\n``
+    chunks ending with ``data: [DONE]``, ``include_usage`` mirroring
+    ``stream_options.include_usage``; Responses and Messages: their named events, the
+    module docstring)."""
+    return as_sse_of(as_json(response, endpoint, model, clock), endpoint, include_usage)
+
+
+def as_sse_of(body: dict[str, Any], endpoint: EndpointKind,
+              include_usage: bool = False) -> Iterator[bytes]:
+    """:func:`as_sse` of a body :func:`as_json` already rendered."""
+    if endpoint == "responses":
+        yield from _responses_events(body)
+        return
+    if endpoint == "messages":
+        yield from _messages_events(body)
+        return
+    model = body["model"]
     head = {"id": body["id"], "object": _CHUNK_OBJECT[endpoint], "created": body["created"],
             "model": model}
     if include_usage:

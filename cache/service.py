@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,8 +22,14 @@ from cache.embedder import BatchingEmbedder
 from cache.exact import ExactCache
 from cache.interfaces import ByteStore
 from cache.keys import CacheKey, EndpointKind, make_key
-from cache.policy import CACHED_ENDPOINTS, STREAM_LOSSY, request_cacheable, response_storable
-from cache.replay import as_json, as_sse
+from cache.policy import (
+    CACHED_ENDPOINTS,
+    STREAM_LOSSY,
+    cut_at_cap,
+    request_cacheable,
+    response_storable,
+)
+from cache.replay import as_json, as_sse_of
 from cache.semantic import SemanticCache
 from cache.stores import MemoryByteStore, RedisByteStore
 from config.schema import CacheConfig, TenantCache
@@ -49,7 +56,7 @@ class CacheRequest:
     Attributes:
         namespace: the tenant's cache namespace (``TenantQuota.namespace``).
         tenant: the tenant's cache settings (``TenantQuota.cache``).
-        endpoint: ``chat``, ``completions`` or ``embeddings``.
+        endpoint: one of :data:`cache.keys.EndpointKind`.
         model: the model that answers.
         body: the JSON body as looked up (the client's, with the tenant's output cap
             and ``cache_salt``); never modified. :meth:`ResponseCache.store` gets the
@@ -128,8 +135,7 @@ class ResponseCache:
             return  # what store would decide, without a task per request
         if model != creq.model:
             return
-        if cap_written and any(isinstance(c, dict) and c.get("finish_reason") == "length"
-                               for c in answer.get("choices") or ()):
+        if cap_written and cut_at_cap(answer):
             return
         task = asyncio.create_task(self.store(creq, answer))
         self._background.add(task)
@@ -206,15 +212,21 @@ class ResponseCache:
 
 async def replay(request: web.Request, hit: CacheHit, endpoint: EndpointKind, model: str, *,
                  stream: bool, include_usage: bool, headers: dict[str, str],
-                 sse_headers: dict[str, str]) -> web.StreamResponse:
+                 sse_headers: dict[str, str],
+                 on_answer: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+                 ) -> web.StreamResponse:
     """Answer ``request`` with a cached answer (:mod:`cache.replay`): a JSON body, or
-    for ``stream`` the SSE events (with ``sse_headers`` too), with ``headers``."""
+    for ``stream`` the SSE events (with ``sse_headers`` too), with ``headers``.
+    ``on_answer`` gets the rendered answer (its fresh id) before it is sent: a replayed
+    Response is stored for ``previous_response_id`` like one the engine made."""
+    body = as_json(hit.response, endpoint, model)
+    if on_answer is not None:
+        await on_answer(body)
     if not stream:
-        return web.json_response(as_json(hit.response, endpoint, model), headers=headers)
+        return web.json_response(body, headers=headers)
     out = web.StreamResponse(headers={**sse_headers, **headers})
     await out.prepare(request)
-    await out.write(b"".join(as_sse(hit.response, endpoint, model,
-                                    include_usage=include_usage)))
+    await out.write(b"".join(as_sse_of(body, endpoint, include_usage=include_usage)))
     await out.write_eof()
     return out
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from opentelemetry.trace import SpanKind
@@ -181,7 +183,8 @@ class Director:
                         return await replay(
                             request, hit, req.endpoint, req.model, stream=req.stream,
                             include_usage=req.client_usage, sse_headers=SSE_HEADERS,
-                            headers={"x-request-id": rec.request_id, "x-sluice-cache": rec.cache})
+                            headers={"x-request-id": rec.request_id, "x-sluice-cache": rec.cache},
+                            on_answer=self._remember(tenant, req))
             size = intake.sizing(tenant, req, gw.default_output_tokens) \
                 if req.endpoint not in TOKEN_FREE else Sizing(0, 0)
             if req.max_output_tokens is None and tenant.tokens_per_min is not None:
@@ -206,6 +209,14 @@ class Director:
         except asyncio.CancelledError:
             rec.outcome = Outcome.CLIENT_DISCONNECTED
             raise
+
+    def _remember(self, tenant: TenantQuota, req: InferenceRequest,
+                  ) -> Callable[[dict[str, Any]], Awaitable[None]] | None:
+        """What keeps a finished Responses answer for ``previous_response_id``
+        (:func:`gateway.responses.remember`); None for the other endpoints."""
+        if req.endpoint != "responses":
+            return None
+        return functools.partial(remember, self.responses, tenant, req)
 
     async def _reserve(self, tenant: TenantQuota, tokens: int, rec: RequestRecord, *,
                        concurrency: bool = True) -> Reservation:
@@ -301,8 +312,7 @@ class Director:
                     placement.first_token_hook(first_token),
                     priority=PRIORITIES.index(tenant.priority) if engine.priority_scheduling
                     else None,
-                    on_answer=functools.partial(remember, self.responses, tenant, req)
-                    if req.endpoint == "responses" else None)
+                    on_answer=self._remember(tenant, req))
         if flight is not None:
             rec.predicted_ttft_s = flight.predicted_ttft_s
             # what generates nothing (embeddings, scoring) teaches the ledger nothing

@@ -108,15 +108,22 @@ class ResponsesSummary:
 
 @dataclass
 class MessagesSummary:
-    """An Anthropic Messages stream: ``message_start`` carries the input tokens,
-    text deltas count as generated chunks, ``message_delta`` the final usage and
-    stop reason, ``message_stop`` ends it."""
+    """An Anthropic Messages stream: ``message_start`` carries the message and the
+    input tokens, text deltas count as generated chunks, ``message_delta`` the final
+    usage and stop reason, ``message_stop`` ends it. :meth:`to_response` rebuilds the
+    non-streaming message (for the response cache) when every block was text; a stream
+    with other blocks (``tool_use``, ``thinking``) is not rebuilt (the cache keeps only
+    what its replay renders exactly: :func:`cache.policy.response_storable`)."""
 
     usage: dict[str, Any] | None = None
     finish_reasons: dict[int, str] = field(default_factory=dict)
     content_chunks: int = 0
     done: bool = False
     error: dict[str, Any] | None = None
+    message: dict[str, Any] | None = None
+    stop_sequence: str | None = None
+    #: the text of each block by its index; None once a block is not text
+    texts: dict[int, list[str]] | None = field(default_factory=dict)
 
     def observe(self, event: bytes) -> dict[str, Any] | None:
         obj = parse_event(event_data(event))
@@ -125,21 +132,42 @@ class MessagesSummary:
         kind = obj.get("type")
         if kind == "content_block_delta":
             self.content_chunks += 1
+            self._text(obj.get("index"), obj.get("delta"), "text_delta")
+        elif kind == "content_block_start":
+            self._text(obj.get("index"), obj.get("content_block"), "text")
         elif kind == "message_start" and isinstance(obj.get("message"), dict):
+            self.message = obj["message"]
             self.usage = {**(obj["message"].get("usage") or {})}
         elif kind == "message_delta":
             self.usage = {**(self.usage or {}), **(obj.get("usage") or {})}
-            reason = (obj.get("delta") or {}).get("stop_reason")
-            if reason:
-                self.finish_reasons[0] = reason
+            delta = obj.get("delta") or {}
+            if delta.get("stop_reason"):
+                self.finish_reasons[0] = delta["stop_reason"]
+            self.stop_sequence = delta.get("stop_sequence")
         elif kind == "message_stop":
             self.done = True
         elif kind == "error":
             self.error = obj.get("error") if isinstance(obj.get("error"), dict) else obj
         return obj
 
+    def _text(self, index: Any, part: Any, text_type: str) -> None:
+        if self.texts is None:
+            return
+        if (not isinstance(index, int) or not isinstance(part, dict)
+                or part.get("type") != text_type or not isinstance(part.get("text"), str)):
+            self.texts = None  # a block the rebuild does not cover
+            return
+        self.texts.setdefault(index, []).append(part["text"])
+
     def to_response(self) -> dict[str, Any] | None:
-        return None  # streamed messages are not cached
+        """The whole message as a non-streaming body, or None (not finished, an
+        error, a block that is not text)."""
+        if not self.done or self.error is not None or self.message is None or not self.texts:
+            return None
+        content = [{"type": "text", "text": "".join(self.texts[i])} for i in sorted(self.texts)]
+        return {**self.message, "content": content,
+                "stop_reason": self.finish_reasons.get(0),
+                "stop_sequence": self.stop_sequence, "usage": self.usage}
 
 
 def stream_summary(endpoint: str) -> Summary:

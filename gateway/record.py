@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.endpoints import usage_counts
 from limits.degrade import DEGRADED_HEADER
 from limits.outcome import Outcome
 
@@ -63,10 +64,11 @@ class RequestRecord:
 
     def cache_hit(self, kind: str, usage: Mapping[str, Any], ttft_s: float) -> None:
         """Answered from the response cache (``kind``: ``exact`` or ``semantic``) with
-        the cached answer's ``usage`` tokens, ``ttft_s`` after it arrived."""
+        the cached answer's ``usage`` tokens (read as :attr:`endpoint`'s,
+        :func:`gateway.endpoints.usage_counts`), ``ttft_s`` after it arrived."""
         self.cache, self.outcome = f"hit-{kind}", Outcome.CACHE_HIT
-        self.prompt_tokens = usage.get("prompt_tokens", 0)
-        self.completion_tokens = usage.get("completion_tokens", 0)
+        counts = usage_counts(self.endpoint or "chat", usage)
+        self.prompt_tokens, self.completion_tokens = counts[:2] if counts else (0, 0)
         self.ttft_s = ttft_s
 
     def headers(self) -> dict[str, str]:

@@ -6,9 +6,10 @@ official ``openai`` and ``anthropic`` SDKs as clients.
 Checked (issue 42's acceptance): Responses non-stream and stream, a
 ``previous_response_id`` chain whose turns land on both workers, the Gemma engine
 SIGKILLed and restarted, then a 4th turn that still carries the conversation;
-Messages non-stream, stream and count_tokens; embeddings for a string and a list, a
-repeat answered from the cache; a small ``tokens_per_min`` tenant gets 429 with
-Retry-After on each endpoint and its tokens appear in ``sluice_tokens_total{endpoint}``;
+Messages non-stream, stream and count_tokens; temperature-0 Responses and Messages
+and embeddings (a string and a list) repeated are answered from the cache; a small
+``tokens_per_min`` tenant gets 429 with Retry-After on each endpoint and its tokens
+appear in ``sluice_tokens_total{endpoint}``;
 ``/tokenize``; ``vllm bench serve`` through the gateway without the ``/tokenize``
 warning. The models are a base model and an embedder: structure, usage and behaviour
 are checked, never content. Run under ``flock /tmp/sluice-heavy.lock``.
@@ -128,6 +129,33 @@ def test_messages_create_stream_count_tokens(served) -> None:
         claude(gw, "sk-wrong").messages.create(model=MODEL, max_tokens=2, messages=[
             {"role": "user", "content": "x"}])
     assert err.value.body["type"] == "error"
+
+
+def test_deterministic_responses_and_messages_are_cache_hits(served) -> None:
+    """A temperature-0 Response and Message from the real engine are stored (the
+    first made as a stream) and a repeat is answered from the cache, through either
+    worker, with the engine's text."""
+    gw, _ = served
+    ask = {"model": MODEL, "input": "Name a colour.", "temperature": 0,
+           "max_output_tokens": 8}
+    made = list(oai(gw).responses.create(**ask, stream=True))[-1].response
+
+    def response_hit() -> bool:
+        r = oai(gw).responses.with_raw_response.create(**ask)
+        return r.headers["x-sluice-cache"] == "hit-exact" \
+            and r.parse().output_text == made.output_text and r.parse().id != made.id
+
+    wait_for_sync(response_hit, 10, "the repeated Response to be a cache hit")
+    words = {"model": MODEL, "max_tokens": 8, "extra_body": {"temperature": 0},
+             "messages": [{"role": "user", "content": "Name a colour."}]}
+    first = claude(gw).messages.create(**words)
+
+    def message_hit() -> bool:
+        r = claude(gw).messages.with_raw_response.create(**words)
+        return r.headers["x-sluice-cache"] == "hit-exact" \
+            and r.parse().content[0].text == first.content[0].text
+
+    wait_for_sync(message_hit, 10, "the repeated Message to be a cache hit")
 
 
 def test_embeddings_and_cache_hit(served) -> None:

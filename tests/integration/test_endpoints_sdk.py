@@ -319,3 +319,75 @@ async def test_engine_rejection_on_messages_is_anthropic_shaped(engines) -> None
                 model=engine.model, max_tokens=2, messages=[{"role": "user", "content": "x"}])
         assert err.value.body == {"type": "error", "error": {
             "type": "invalid_request_error", "message": "bad tool schema"}}
+
+
+async def test_deterministic_responses_are_cache_hits_and_chain_on(engines) -> None:
+    """A temperature-0 Response repeated is answered from the cache, as JSON and as
+    the Responses events (the SDK parses both), with a new id that a follow-up can
+    name in ``previous_response_id``; a sampled one (no temperature) never is."""
+    [engine] = await engines(1)
+    async with run_gateway(make_config([engine], tenants=TENANTS)) as gw:
+        client = oai(gw).responses.with_raw_response
+        ask = {"model": engine.model, "input": "Capital of France?", "temperature": 0,
+               "max_output_tokens": 4}
+        first = await client.create(**ask, stream=True)  # made as a stream, stored whole
+        made = [e async for e in first.parse()][-1].response
+        assert first.headers["x-sluice-cache"] == "miss"
+        await gw.idle()
+        again = await client.create(**ask)
+        assert again.headers["x-sluice-cache"] == "hit-exact"
+        hit = again.parse()
+        assert hit.output_text == made.output_text == "Hello from the fake"
+        assert hit.id != made.id and hit.usage.input_tokens_details.cached_tokens == 7
+        streamed = await client.create(**ask, stream=True)
+        assert streamed.headers["x-sluice-cache"] == "hit-exact"
+        events = [e async for e in streamed.parse()]
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
+            == "Hello from the fake"
+        assert events[-1].type == "response.completed"
+        assert len(engine.received) == 1  # both repeats were answered by the gateway
+        follow = await oai(gw).responses.create(
+            model=engine.model, input="And Spain?", previous_response_id=hit.id,
+            max_output_tokens=2)
+        assert follow.status == "completed"
+        assert [m["content"] for m in engine.received[-1]["input"]] == [
+            "Capital of France?", "Hello from the fake", "And Spain?"]
+        sampled = {k: v for k, v in ask.items() if k != "temperature"}
+        for _ in range(2):
+            r = await client.create(**sampled)
+            assert r.headers["x-sluice-cache"] == "bypass"
+        assert len(engine.received) == 4
+
+
+async def test_deterministic_messages_are_cache_hits_as_json_and_as_a_stream(engines) -> None:
+    """A temperature-0 Anthropic message repeated is answered from the cache; the
+    SDK's stream helper rebuilds the same message from the replayed events, its input
+    counted as read from the cache; a hit charges no tokens. (The anthropic SDK no
+    longer has a ``temperature`` argument: a client sends it in the body, which vLLM
+    reads.)"""
+    [engine] = await engines(1)
+    async with run_gateway(make_config([engine], tenants=TENANTS)) as gw:
+        client = claude(gw)
+        ask = {"model": engine.model, "max_tokens": 3, "extra_body": {"temperature": 0},
+               "messages": [{"role": "user", "content": "Hello"}]}
+        made = await client.messages.create(**ask)
+        await gw.idle()
+        before = await scrape(gw)
+        again = await client.messages.with_raw_response.create(**ask)
+        assert again.headers["x-sluice-cache"] == "hit-exact"
+        hit = await again.parse()
+        assert hit.content[0].text == made.content[0].text == "Hello from the"
+        assert hit.id != made.id and hit.stop_reason == "end_turn"
+        assert (hit.usage.input_tokens, hit.usage.cache_read_input_tokens,
+                hit.usage.output_tokens) == (0, 7, 3)
+        async with client.messages.stream(**ask) as stream:
+            text = "".join([t async for t in stream.text_stream])
+            final = await stream.get_final_message()
+        assert text == "Hello from the" and final.usage.output_tokens == 3
+        assert len(engine.received) == 1
+        await gw.idle()
+        after = await scrape(gw)
+        assert value(after, "sluice_tokens_total", endpoint="messages", kind="completion") \
+            == value(before, "sluice_tokens_total", endpoint="messages", kind="completion")
+        assert value(after, "sluice_requests_total", endpoint="messages",
+                     outcome="cache_hit") == 2
