@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "soak": "loadtest.soak",
     "burst": "loadtest.burst",
     "batch": "loadtest.batch",
+    "sdk-compare": "loadtest.sdk_compare",
 }
 
 
