@@ -5,8 +5,10 @@ Starts ``sluice serve`` on the shipped configuration (the packaged Gemma 3 engin
 the all-MiniLM-L6-v2 embedding engine; nothing changed), then makes each call of
 :data:`CALLS` with the official ``openai`` and ``anthropic`` SDKs twice: straight to
 the engine that serves the model (its own URL, as the gateway launched it), then
-through the gateway with the shipped local key. Sampling is greedy (``temperature``
-0) so both paths should give the same text; each answer is reduced to what a client
+through the gateway with the shipped local key and ``Cache-Control: no-cache`` (so
+every call reaches the engine: a greedy repeat would otherwise be a cache hit, whose
+usage counts its input as cached). Sampling is greedy (``temperature`` 0) so both
+paths should give the same text; each answer is reduced to what a client
 reads (:func:`summarise`: HTTP outcome, object type, status, usage, event types, the
 text's digest), and the report says per call whether the two summaries agree.
 
@@ -158,19 +160,23 @@ def calls(oai: openai.OpenAI, claude: anthropic.Anthropic, http: httpx.Client,
 
 def run(gw_url: str, engine_url: str, embed_url: str) -> list[dict[str, Any]]:
     """Every call straight to the engines, then through the gateway."""
-    def clients(base: str, embed_base: str, key: str) -> dict[str, Callable[[], Any]]:
+    def clients(base: str, embed_base: str, key: str,
+                headers: dict[str, str]) -> dict[str, Callable[[], Any]]:
         timeout = 300.0
-        oai = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=timeout)
+        oai = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=timeout,
+                            default_headers=headers)
         emb = openai.OpenAI(base_url=embed_base + "/v1", api_key=key, max_retries=0,
-                            timeout=timeout)
-        claude = anthropic.Anthropic(base_url=base, api_key=key, max_retries=0, timeout=300)
-        out = calls(oai, claude, httpx.Client(base_url=base, timeout=timeout))
+                            timeout=timeout, default_headers=headers)
+        claude = anthropic.Anthropic(base_url=base, api_key=key, max_retries=0, timeout=300,
+                                     default_headers=headers)
+        out = calls(oai, claude, httpx.Client(base_url=base, timeout=timeout, headers=headers))
         for name in ("embeddings.create(str)", "embeddings.create(list)"):
             out[name] = calls(emb, claude, httpx.Client(base_url=embed_base, timeout=timeout))[name]
         return out
 
-    direct = {k: _outcome(f) for k, f in clients(engine_url, embed_url, "none").items()}
-    through = {k: _outcome(f) for k, f in clients(gw_url, gw_url, KEY).items()}
+    direct = {k: _outcome(f) for k, f in clients(engine_url, embed_url, "none", {}).items()}
+    through = {k: _outcome(f) for k, f in clients(
+        gw_url, gw_url, KEY, {"Cache-Control": "no-cache"}).items()}
     return [{"call": k, "direct": direct[k], "gateway": through[k],
              "same": direct[k] == through[k]} for k in direct]
 
