@@ -30,7 +30,10 @@ with ``scheduler.prefix.turn_cache_tokens: 0`` (every prompt tokenized whole), t
 
 Load comes from a separate process (uvloop + aiohttp client, keep-alive, one
 connection per worker); for each cell it warms up, then measures for ``--duration``
-seconds: ``rps`` (completed requests / s), ``p50_ms``/``p99_ms`` (request latency,
+seconds, and on until as many requests as the cell has clients have finished in the
+window (at most :data:`MAX_EXTRA_S` more: a short window on a busy machine can
+otherwise end before the first answer and measure nothing): ``rps`` (completed
+requests / s of the window), ``p50_ms``/``p99_ms`` (request latency,
 whole body read), ``cpu_ms_per_req`` (the server process's own user+system CPU from
 ``/proc/PID/stat`` over the window / requests; the stand-in's for ``direct``, the
 proxy's for the others), and the generator's own CPU use (``generator_cpu_util``,
@@ -172,6 +175,11 @@ async def _passthrough(port: int, upstream: str) -> None:
 # --------------------------------------------------------------------------- generator
 
 
+#: Longest the measured window is extended past ``--duration`` while fewer requests
+#: than the cell's clients have finished in it, s.
+MAX_EXTRA_S = 60.0
+
+
 async def _generate(url: str, concurrency: int, stream: bool, warmup_s: float,
                     duration_s: float, pids: list[int], long: bool = False) -> dict[str, Any]:
     """Closed loop: ``concurrency`` workers, each on its own keep-alive connection
@@ -210,8 +218,10 @@ async def _generate(url: str, concurrency: int, stream: bool, warmup_s: float,
         await asyncio.sleep(warmup_s)
         cpu0, own0, t_start = (sum(map(cpu_seconds, pids)), time.process_time(),
                                time.perf_counter())
-        window[:] = [t_start, t_start + duration_s]
+        window[:] = [t_start, t_start + duration_s + MAX_EXTRA_S]
         await asyncio.sleep(duration_s)
+        while len(lat) + errors < concurrency and time.perf_counter() < window[1]:
+            await asyncio.sleep(0.01)
         cpu1, own1, t_end = (sum(map(cpu_seconds, pids)), time.process_time(),
                              time.perf_counter())
         window[1] = t_end

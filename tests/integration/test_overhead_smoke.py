@@ -4,7 +4,9 @@ timings (CI machines are shared)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +87,33 @@ def test_overhead_long_cell(tmp_path: Path) -> None:
         assert r["rps"] > 0 and r["errors"] == 0, (path, r)
     cpu = doc["long_cpu_ms_per_req"]
     assert 0 < cpu["turn_cache"] < cpu["no_turn_cache"], cpu
+
+
+@pytest.mark.asyncio
+async def test_a_window_shorter_than_one_answer_still_measures() -> None:
+    """A server slower than the whole measured window (a busy machine's first answers):
+    the window goes on until each client has finished a request, so the cell has a
+    rate and percentiles rather than 0 requests (seen in a fresh-clone ``make test``:
+    ``gateway`` ``c16`` with 0.3 s windows)."""
+    from aiohttp import web
+
+    from loadtest.launch import free_port
+    from loadtest.overhead import _generate
+
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.5)
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", slow)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        r = await _generate(f"http://127.0.0.1:{port}/v1/chat/completions", 3, False,
+                            0.0, 0.1, [os.getpid()])
+    finally:
+        await runner.cleanup()
+    assert r["requests"] >= 3 and r["errors"] == 0
+    assert r["rps"] > 0 and r["p50_ms"] >= 500 and r["window_s"] >= 0.5
