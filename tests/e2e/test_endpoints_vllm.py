@@ -73,6 +73,14 @@ def all_ready(gw: RunningGateway, timeout_s: float = 600) -> None:
                               for _ in range(8)), timeout_s, "every worker to be ready")
 
 
+def healthy(url: str) -> bool:
+    """The engine at ``url`` answers ``/health`` with 200."""
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def oai(gw: RunningGateway, key: str = KEY) -> openai.OpenAI:
     """A client on a new connection (the kernel picks the worker)."""
     return openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0,
@@ -282,8 +290,14 @@ def test_responses_chain_across_workers_and_an_engine_restart(served) -> None:
     victim.send_signal(signal.SIGKILL)
     wait_for_sync(lambda: httpx.get(gw.url + "/ready", timeout=2).status_code == 503, 60,
                   "the killed engine to be marked unhealthy")
-    wait_for_sync(lambda: any(MODEL in " ".join(p.cmdline()) for p in gw.engine_processes()),
+    wait_for_sync(lambda: any(MODEL in " ".join(p.cmdline()) and p.pid != victim.pid
+                              for p in gw.engine_processes()),
                   60, "the supervisor to start the engine again")
+    # the engine itself answering first: a worker that follows the engine by its probes
+    # (not its owner) still calls it ready for a few probes after the kill, so the
+    # gateway's /ready alone can be 200 before the restarted engine serves
+    (restarted,) = gw.engine_urls(MODEL)
+    wait_for_sync(lambda: healthy(restarted), 600, "the restarted engine to answer /health")
     all_ready(gw)
     last = turns[-1]
     # "ready" is the engine's state; its circuit breaker, opened by the kill, admits again
