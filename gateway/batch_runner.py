@@ -12,10 +12,11 @@ have room for it below their learned concurrency limits (the knee for the tighte
 TPOT target, :func:`gateway.metrics.concurrency_limit`) less the places kept for the
 online bands — ``BatchConfig.headroom`` of those limits, or more where
 :meth:`limits.band_demand.BandDemand.urgent_free` asks for more —, one line per
-engine on which an interactive request would still start within half its TTFT
-target (a batch line's prefill queues ahead of the next online request on an FCFS
-engine), and no online request is waiting in the model's queue (the batch gives way
-at once); at most
+engine on which an interactive request sent just after the line would still start
+within its TTFT target (a batch line's prefill queues ahead of the next online request
+on an FCFS engine: the prefills pending there, the line's and the request's own, each
+the model's typical prompt, predicted as ``TTFT̂ + z σ``), and no online request is
+waiting in the model's queue (the batch gives way at once); at most
 ``queued_lines`` batch tickets wait in the queue and ``max_in_flight`` lines run per
 process. The admission each line then goes through decides, per engine, as for any
 request of the band. A line answered 429 or 503 (shed, queue timeout, quota, no
@@ -70,9 +71,6 @@ DEFAULT_RETRY_S = 1.0
 #: A line sent less than this long ago (s) may not be in the queue or on an engine
 #: yet: :meth:`BatchRunner.room` counts it as taking a place.
 TRANSIT_S = 0.25
-#: A batch line may be sent only while an engine would start an interactive request
-#: within this share of its TTFT target (the rest is the online request's slack).
-TTFT_SHARE = 0.5
 #: Uncached prompt tokens assumed of a request before the model's mix is observed.
 DEFAULT_PROMPT_TOKENS = 512
 #: Lines claimed per store round trip.
@@ -272,7 +270,7 @@ class BatchRunner:
         transit = sum(1 for m, at in self._sent.values() if m == model and now - at < TRANSIT_S)
         free = places - keep - sum(e.in_flight for e in engines) - depth["batch"] - transit
         prompt = self._prompt_tokens(model)
-        soon = [self._starts_soon(e, prompt) for e in engines]
+        soon = [self._online_starts_after_a_line(e, prompt) for e in engines]
         starts = math.inf if None in soon else sum(map(bool, soon)) - depth["batch"] - transit
         return max(0, int(min(free, starts, self.cfg.queued_lines - depth["batch"] - transit)))
 
@@ -283,18 +281,19 @@ class BatchRunner:
         seen = mix.mix() if mix is not None else None
         return round(seen.uncached_tokens) if seen is not None else DEFAULT_PROMPT_TOKENS
 
-    def _starts_soon(self, engine: Engine, prompt_tokens: int) -> bool | None:
-        """Whether an interactive request of ``prompt_tokens`` sent to ``engine`` now
-        is predicted (``TTFT̂ + z σ``, the prefills queued there included) to start
-        within :data:`TTFT_SHARE` of the interactive TTFT target: then the engine may
-        take one more batch line (whose prefill would queue ahead of the next online
-        request on an FCFS engine). None for an engine whose TTFT fit is not trusted
-        (yet): the concurrency limits alone decide."""
+    def _online_starts_after_a_line(self, engine: Engine, prompt_tokens: int) -> bool | None:
+        """Whether ``engine`` may take one more batch line: an interactive request of
+        ``prompt_tokens`` sent right after a line of as many is predicted (``TTFT̂ + z
+        σ`` of :meth:`limits.engine_latency.EngineLatency.predict_ttft`: the prefills
+        pending there, the line's and its own) to start within the interactive TTFT
+        target — on an FCFS engine the line's prefill runs ahead of it. None for an
+        engine whose TTFT fit is not trusted (yet): the concurrency limits alone
+        decide."""
         lat = self.gate.ledger(engine.id) if self.gate is not None else None
         if lat is None or not lat.model.ttft_trusted:
             return None
-        ttft = lat.predict_ttft(prompt_tokens).upper(lat.z)
-        return ttft <= TTFT_SHARE * self._ttft_targets["interactive"]
+        ttft = lat.predict_ttft(2 * prompt_tokens).upper(lat.z)
+        return ttft <= self._ttft_targets["interactive"]
 
     def _limit(self, engine: Engine) -> int:
         """``engine``'s learned concurrency limit (:func:`concurrency_limit`); 1 until

@@ -7,13 +7,15 @@ import asyncio
 
 import pytest
 
-from config.schema import BatchConfig, QueueConfig, SloConfig, TenantQuota
+from config.schema import AdaptiveConfig, BatchConfig, QueueConfig, SloConfig, TenantQuota
 from engines.pool import Engine, EnginePool, EngineState
 from gateway.batch_api import window_s
 from gateway.batch_runner import BatchRunner, _Rate
 from gateway.internal import batch_tenant, internal_secret, is_internal
 from limits.admission import AdmissionQueue
+from limits.latency_model import LatencyPrior
 from limits.outcome import Rejected
+from limits.slo_gate import SloGate
 from tests.support import ManualClock
 
 
@@ -110,3 +112,37 @@ async def test_lines_give_way_while_an_online_request_waits() -> None:
         task.cancel()
     await asyncio.gather(batch, online, return_exceptions=True)
     queue.close()
+
+
+async def test_a_line_goes_where_an_online_request_after_it_still_starts_in_time() -> None:
+    """An engine takes a batch line while an interactive request of the model's typical
+    prompt, sent right after the line (whose prefill runs first on an FCFS engine),
+    is predicted to start within the interactive TTFT target (1 s)."""
+    clock = ManualClock()
+    queue: AdmissionQueue = AdmissionQueue("m", QueueConfig(), clock)
+    gate = SloGate(adaptive=AdaptiveConfig(), clock=clock)
+    engines = [_engine("idle", 0), _engine("busy", 0)]
+    for e in engines:
+        gate.track(e.id)
+        lat = gate.ledger(e.id)
+        assert lat is not None
+        # TTFT 50 ms + 1 ms per prefill token ahead, no noise, trusted at once
+        lat.model.__init__(LatencyPrior(ttft_overhead_s=0.05, prefill_s_per_token=0.001,
+                                        rel_std=1e-6), min_samples=0)
+    runner = BatchRunner(None, BatchConfig(queued_lines=10), None,  # type: ignore[arg-type]
+                         {"m": queue}, EnginePool(engines), None, SloConfig(), gate=gate)
+    typical = 400
+    # idle: 50 ms + 2 x 400 tokens = 0.85 s (one prompt alone, 0.45 s, is not within
+    # half the target, which a line needed before); 2 x 512 tokens: 1.074 s
+    assert runner._online_starts_after_a_line(engines[0], typical) is True
+    assert runner._online_starts_after_a_line(engines[0], 512) is False
+    # 300 tokens of prefill pending on "busy": 0.05 + 0.3 + 0.8 = 1.15 s
+    gate.ledger("busy").pending_prefill_tokens = 300  # type: ignore[union-attr]
+    assert runner._online_starts_after_a_line(engines[1], typical) is False
+    # the lines sent follow: none while the model's mix is unseen (512 tokens
+    # assumed), then one (the idle engine), then two
+    assert runner.room("m") == 0
+    runner._prompt_tokens = lambda _m: typical  # type: ignore[method-assign]
+    assert runner.room("m") == 1
+    gate.ledger("busy").pending_prefill_tokens = 0  # type: ignore[union-attr]
+    assert runner.room("m") == 2
