@@ -122,7 +122,9 @@ class SloGate:
         Engines that can meet the request's SLO are preferred: those that take it only
         at best effort (:meth:`~limits.engine_latency.EngineLatency.best_effort`: too
         slow for its TPOT target even alone) are returned only when none of the
-        others would. Order follows ``candidates``.
+        others would. A request of the least urgent band (``batch``) goes only where
+        it leaves the next urgent request its start (:meth:`_leave_urgent_start`).
+        Order follows ``candidates``.
 
         Args:
             budget_s: the request's TTFT budget now, s (:meth:`ttft_budget_s`).
@@ -191,6 +193,9 @@ class SloGate:
                 per_knee * knees.get(e, 0), elsewhere, ttft_target_s=target.ttft_s)
             if verdict.admit:
                 (best_effort if verdict.best_effort else within).append(e)
+        if priority == PRIORITIES[-1]:
+            within = self._leave_urgent_start(model, priority, within, uncached)
+            best_effort = self._leave_urgent_start(model, priority, best_effort, uncached)
         if budget_s < best <= target.ttft_s:
             if best_effort:
                 return best_effort
@@ -199,6 +204,29 @@ class SloGate:
                            f"{target.ttft_s:g} s TTFT target any more; shed",
                            retry_after_s=self.retry_after(model), reason="predicted_miss")
         return within or best_effort
+
+    def _leave_urgent_start(self, model: str, priority: Priority, engines: list[str],
+                            uncached: Callable[[str], int]) -> list[str]:
+        """The ``engines`` where a request of the least urgent band (offline work,
+        which fills spare capacity only) leaves the next urgent request its start: one
+        of the more urgent bands arriving right after it, with a prompt as long,
+        predicted (``TTFT̂ + z σ``, the prefills pending there, this one's and its
+        own) to start within the tightest TTFT target of those bands — on an FCFS
+        engine this request's prefill runs first. All of them before any urgent
+        arrival, and engines whose TTFT fit is not trusted (their learned limits
+        decide)."""
+        urgent = PRIORITIES[:PRIORITIES.index(priority)]
+        if not sum(self.band_demand(model).rates(urgent).values()):
+            return engines
+        ttft_s = min(self.slo.target(b).ttft_s for b in urgent)
+        z = self.adaptive.confidence_z
+        kept = []
+        for e in engines:
+            lat = self.ledgers.get(e)
+            if (lat is None or not lat.model.ttft_trusted
+                    or lat.predict_ttft(2 * uncached(e)).upper(z) <= ttft_s):
+                kept.append(e)
+        return kept
 
     def best_effort_wait_s(self, model: str, priority: Priority, max_wait_s: float,
                            ready: Sequence[str]) -> float | None:

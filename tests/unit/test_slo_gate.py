@@ -82,3 +82,29 @@ def test_a_split_request_is_shed_only_when_observed_and_late() -> None:
     assert e.value.reason == "predicted_miss" and e.value.retry_after_s == 2
     shed = gate.prefill_shed("m", "standard")
     assert shed.reason == "predicted_miss" and shed.outcome is Outcome.OVERLOADED
+
+
+def test_a_batch_request_goes_only_where_the_next_online_request_still_starts_in_time() -> None:
+    """The least urgent band's request takes an engine only while an interactive
+    request as long, sent right after it, is predicted to start within the 1 s
+    interactive TTFT target (model: 50 ms + 1 ms per prefill token ahead)."""
+    clock = ManualClock()
+    gate = SloGate(adaptive=AdaptiveConfig(), clock=clock)
+    trusted(gate, "a")
+    trusted(gate, "b")
+    ready = [ReadyEngine("a", 0), ReadyEngine("b", 0)]
+    budget = gate.ttft_budget_s("batch", arrived=0.0, now=0.0)
+    # before any online arrival the batch band has no one to leave room for
+    flight = gate.open_flight("b", "m", 500, 500, "batch", 10)  # 500 tokens pending on b
+    assert gate.admit("m", "batch", budget, ready, ["a", "b"], lambda e: 300) == ["a", "b"]
+    gate.arrived("m", "interactive")
+    clock.t += 1.0
+    # a: 0.05 + 2 x 0.3 = 0.65 s; b: 0.05 + 0.5 + 0.6 = 1.15 s > 1 s
+    assert gate.admit("m", "batch", budget, ready, ["a", "b"], lambda e: 300) == ["a"]
+    # a longer line: 0.05 + 2 x 0.5 = 1.05 s on a too; the line waits
+    assert gate.admit("m", "batch", budget, ready, ["a", "b"], lambda e: 500) == []
+    # the online bands themselves are not held back by it
+    assert gate.admit("m", "standard", gate.ttft_budget_s("standard", 1.0, 1.0), ready,
+                      ["a", "b"], lambda e: 300) == ["a", "b"]
+    gate.first_token("b", flight)  # b's prefill done: it may take the line again
+    assert gate.admit("m", "batch", budget, ready, ["a", "b"], lambda e: 300) == ["a", "b"]
