@@ -141,7 +141,12 @@ async def batch_state(session: aiohttp.ClientSession, url: str, batch_id: str) -
 async def batch_tokens(session: aiohttp.ClientSession, url: str) -> float:
     """Output tokens the batch tenant's lines generated so far (``sluice_tokens_total``)."""
     async with session.get(url + "/metrics") as r:
-        text = await r.text()
+        return batch_output_tokens(await r.text())
+
+
+def batch_output_tokens(text: str) -> float:
+    """The batch tenant's completion tokens in a gateway's ``/metrics`` page
+    (``sluice_tokens_total`` summed over its other labels)."""
     return sum(s.value for family in text_string_to_metric_families(text)
                if family.name == "sluice_tokens" for s in family.samples
                if s.name == "sluice_tokens_total" and s.labels.get("kind") == "completion"
