@@ -283,17 +283,15 @@ class BatchRunner:
 
     def _online_starts_after_a_line(self, engine: Engine, prompt_tokens: int) -> bool | None:
         """Whether ``engine`` may take one more batch line: an interactive request of
-        ``prompt_tokens`` sent right after a line of as many is predicted (``TTFT̂ + z
-        σ`` of :meth:`limits.engine_latency.EngineLatency.predict_ttft`: the prefills
-        pending there, the line's and its own) to start within the interactive TTFT
-        target — on an FCFS engine the line's prefill runs ahead of it. None for an
-        engine whose TTFT fit is not trusted (yet): the concurrency limits alone
-        decide."""
-        lat = self.gate.ledger(engine.id) if self.gate is not None else None
-        if lat is None or not lat.model.ttft_trusted:
+        ``prompt_tokens`` sent right after a line of as many is predicted to start
+        within the interactive TTFT target (:meth:`limits.slo_gate.SloGate.starts_after_one`;
+        on an FCFS engine the line's prefill runs ahead of it). None without adaptive
+        admission or for an engine whose TTFT fit is not trusted (yet): the
+        concurrency limits alone decide."""
+        if self.gate is None:
             return None
-        ttft = lat.predict_ttft(2 * prompt_tokens).upper(lat.z)
-        return ttft <= self._ttft_targets["interactive"]
+        return self.gate.starts_after_one(engine.id, prompt_tokens,
+                                          self._ttft_targets["interactive"])
 
     def _limit(self, engine: Engine) -> int:
         """``engine``'s learned concurrency limit (:func:`concurrency_limit`); 1 until

@@ -123,7 +123,7 @@ class SloGate:
         at best effort (:meth:`~limits.engine_latency.EngineLatency.best_effort`: too
         slow for its TPOT target even alone) are returned only when none of the
         others would. A request of the least urgent band (``batch``) goes only where
-        it leaves the next urgent request its start (:meth:`_leave_urgent_start`).
+        it leaves the next urgent request its start (:meth:`_urgent_ttft_s`).
         Order follows ``candidates``.
 
         Args:
@@ -180,22 +180,24 @@ class SloGate:
         # best-effort engine takes it by its capacity signals alone)
         elsewhere = any((lat := ledgers.get(r.id)) is None or not lat.best_effort(target.tpot_s)
                         for r in ready)
+        # a request of the least urgent band leaves the next urgent one its start
+        after_s = self._urgent_ttft_s(model, priority)
         within, best_effort = [], []
         for e in candidates:
+            tokens = uncached(e)
+            if after_s is not None and self.starts_after_one(e, tokens, after_s) is False:
+                continue
             lat = ledgers.get(e)
             if lat is None:
                 within.append(e)
                 continue
             verdict = lat.decide(
-                uncached(e), budget_s, target.tpot_s,
+                tokens, budget_s, target.tpot_s,
                 loads.get(e, 0),
                 max(0, keep - (total_free - free.get(e, 0))),
                 per_knee * knees.get(e, 0), elsewhere, ttft_target_s=target.ttft_s)
             if verdict.admit:
                 (best_effort if verdict.best_effort else within).append(e)
-        if priority == PRIORITIES[-1]:
-            within = self._leave_urgent_start(model, priority, within, uncached)
-            best_effort = self._leave_urgent_start(model, priority, best_effort, uncached)
         if budget_s < best <= target.ttft_s:
             if best_effort:
                 return best_effort
@@ -205,28 +207,28 @@ class SloGate:
                            retry_after_s=self.retry_after(model), reason="predicted_miss")
         return within or best_effort
 
-    def _leave_urgent_start(self, model: str, priority: Priority, engines: list[str],
-                            uncached: Callable[[str], int]) -> list[str]:
-        """The ``engines`` where a request of the least urgent band (offline work,
-        which fills spare capacity only) leaves the next urgent request its start: one
-        of the more urgent bands arriving right after it, with a prompt as long,
-        predicted (``TTFT̂ + z σ``, the prefills pending there, this one's and its
-        own) to start within the tightest TTFT target of those bands — on an FCFS
-        engine this request's prefill runs first. All of them before any urgent
-        arrival, and engines whose TTFT fit is not trusted (their learned limits
-        decide)."""
-        urgent = PRIORITIES[:PRIORITIES.index(priority)]
+    def _urgent_ttft_s(self, model: str, priority: Priority) -> float | None:
+        """For a request of the least urgent band (offline work, which fills spare
+        capacity only), once a more urgent band has arrivals: the tightest TTFT target
+        of those bands, s — an engine takes the request only while one of them sent
+        right after it would still start within it (:meth:`starts_after_one`; on an
+        FCFS engine this request's prefill runs first). None otherwise."""
+        if priority != PRIORITIES[-1]:
+            return None
+        urgent = PRIORITIES[:-1]
         if not sum(self.band_demand(model).rates(urgent).values()):
-            return engines
-        ttft_s = min(self.slo.target(b).ttft_s for b in urgent)
-        z = self.adaptive.confidence_z
-        kept = []
-        for e in engines:
-            lat = self.ledgers.get(e)
-            if (lat is None or not lat.model.ttft_trusted
-                    or lat.predict_ttft(2 * uncached(e)).upper(z) <= ttft_s):
-                kept.append(e)
-        return kept
+            return None
+        return min(self.slo.target(b).ttft_s for b in urgent)
+
+    def starts_after_one(self, engine_id: str, uncached_tokens: int, ttft_s: float) -> bool | None:
+        """Whether a request of ``uncached_tokens`` sent to ``engine_id`` right after
+        another as long is predicted (``TTFT̂ + z σ``, the prefills pending there, the
+        other's and its own) to start within ``ttft_s`` (s). None without a ledger or
+        while the engine's TTFT fit is not trusted (its learned limit decides)."""
+        lat = self.ledgers.get(engine_id)
+        if lat is None or not lat.model.ttft_trusted:
+            return None
+        return lat.predict_ttft(2 * uncached_tokens).upper(lat.z) <= ttft_s
 
     def best_effort_wait_s(self, model: str, priority: Priority, max_wait_s: float,
                            ready: Sequence[str]) -> float | None:
