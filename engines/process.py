@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -78,9 +79,52 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
+#: Lowest port :func:`free_port` picks; below it sit the well-known and registered
+#: services' usual ports.
+LOWEST_PICKED_PORT = 10000
+
+#: Linux's default ephemeral range (``net.ipv4.ip_local_port_range``), used where the
+#: kernel's file cannot be read.
+DEFAULT_EPHEMERAL = (32768, 60999)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The OS's ephemeral port range: outbound connections take their local port from
+    it, so a port picked there can be taken between the pick and the listener's bind."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL
+
+
+def free_port(host: str = "127.0.0.1", span: int = 1, rng: random.Random | None = None,
+              taken: set[int] | frozenset[int] = frozenset()) -> int:
+    """A port P with P … P + span - 1 bindable on ``host`` a moment ago and none in
+    ``taken``, drawn at random below the OS's ephemeral range (from
+    :data:`LOWEST_PICKED_PORT`). Port 0 would let the OS pick from the ephemeral
+    range, where any outbound connection (to an engine, Redis, a client's own) may take
+    the port before the listener binds it: an ``address already in use`` at start-up.
+
+    Raises:
+        OSError: no such port found in 1000 draws.
+    """
+    rng = rng or random.Random()
+    low = LOWEST_PICKED_PORT
+    high = min(_ephemeral_range()[0], 65536) - span  # last P with P + span - 1 below it
+    if high <= low:  # an unusual ephemeral range: above it instead
+        low, high = _ephemeral_range()[1] + 1, 65536 - span
+    for _ in range(1000):
+        port = rng.randrange(low, high)
+        ports = range(port, port + span)
+        if not taken.intersection(ports) and all(_port_free(host, p) for p in ports):
+            return port
+    raise OSError(f"no {span} free consecutive port(s) on {host} in {low}-{high + span - 1}")
+
+
 def choose_port(host: str, port_range: tuple[int, int] | None, taken: set[int]) -> int:
     """A port to listen on: the first free one in ``port_range`` (inclusive) that is
-    not in ``taken``, else one the OS reports free. Free means bindable a moment ago.
+    not in ``taken``, else :func:`free_port`'s pick. Free means bindable a moment ago.
     """
     if port_range is not None:
         first, last = port_range
@@ -88,12 +132,7 @@ def choose_port(host: str, port_range: tuple[int, int] | None, taken: set[int]) 
             if port not in taken and _port_free(host, port):
                 return port
         log.warning("no free port in %d-%d on %s; using any free port", first, last, host)
-    while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port not in taken:
-            return port
+    return free_port(host, taken=taken)
 
 
 class EngineProcess:

@@ -20,15 +20,16 @@ import httpx
 import psutil
 import yaml
 
+from engines import process
+
 #: The shipped configuration folder.
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(span: int = 1) -> int:
+    """A TCP port P on 127.0.0.1 with P … P + span - 1 free a moment ago, outside the
+    OS's ephemeral range (:func:`engines.process.free_port`)."""
+    return process.free_port("127.0.0.1", span)
 
 
 @dataclass

@@ -75,6 +75,8 @@ from typing import Any
 
 import yaml
 
+from loadtest.launch import free_port
+
 PATHS = ("direct", "passthrough", "gateway")
 CELLS: dict[str, tuple[int, bool]] = {"c1": (1, False), "c16": (16, False),
                                       "c64": (64, False), "stream16": (16, True),
@@ -264,12 +266,6 @@ def _child(argv: list[str]) -> int:
 # --------------------------------------------------------------------------- orchestration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -381,7 +377,7 @@ def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pi
         return stack.enter_context(_process(cmd, port, server_cpus))
 
     def stand_in(model: str) -> tuple[str, int]:
-        port = _free_port()
+        port = free_port()
         proc = start([sys.executable, "-m", "loadtest.stand_in", "--port", str(port),
                              "--model", model, "--chunks", str(CHUNKS)], port)
         return f"http://127.0.0.1:{port}", proc.pid
@@ -401,7 +397,7 @@ def run(duration_s: float, warmup_s: float, observability: bool, repeat: int, pi
         long_url = stand_in(LONG_MODEL)[0] if long_paths else None
         targets: dict[str, tuple[str, int]] = {"direct": (engine_url, engine_pid)}
         if "passthrough" in paths:
-            pport = _free_port()
+            pport = free_port()
             proxy = start([sys.executable, "-m", "loadtest.overhead", "passthrough", str(pport),
                            engine_url], pport)
             targets["passthrough"] = (f"http://127.0.0.1:{pport}", proxy.pid)
