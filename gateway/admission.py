@@ -116,7 +116,7 @@ class Admission:
                              session_id=session_id)
         return Need(sched, tenant.priority, self.kv_tokens(req), arrived=arrived,
                     splittable=req.sequences == 1 and req.endpoint in ("chat", "completions"),
-                    output_tokens=self.output_cap(req))
+                    output_tokens=self.output_cap(req), streamed=req.stream)
 
     # ------------------------------------------------------------------ refusals
 

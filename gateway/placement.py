@@ -183,6 +183,8 @@ class Need:
             room, :class:`~limits.band_demand.BandDemand`).
         arrived: clock time it reached the gateway, s (its TTFT target counts from
             there); None: no SLO check.
+        streamed: the engine's answer streams (its first token is seen); False: it
+            comes whole (the ledger then takes the prefill as done at TTFT̂ + z σ).
     """
 
     sched: SchedRequest
@@ -191,6 +193,7 @@ class Need:
     splittable: bool = True
     arrived: float | None = None
     output_tokens: int = 0
+    streamed: bool = True
 
 
 class Placer:
@@ -358,7 +361,7 @@ class Placer:
         engine = placement.engine
         flight = self.gate.open_flight(engine.id, engine.model, uncached,
                                        need.sched.prompt_tokens, need.priority,
-                                       need.output_tokens)
+                                       need.output_tokens, need.streamed)
         if flight is not None:
             placement.flight, placement.gate = flight, self.gate
             placement.on_release = self._close_flight

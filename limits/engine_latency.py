@@ -12,6 +12,8 @@ scraped counters, :func:`interval_observations`) and their sources are in
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
 from collections import Counter
@@ -55,6 +57,9 @@ class Flight:
             output tokens less one; 0 when its output tokens are not known).
         first_at: clock time of its first token, s (None before).
         integral_at_first / prefilled_at_first: ledger counters at ``first_at``.
+        first_due: for an answer that does not stream (its first token is seen only
+            with the whole answer), the clock time from which the ledger takes its
+            prefill as done: sent + ``TTFT̂ + z σ`` at send, s; None for a stream.
     """
 
     uncached_tokens: int
@@ -69,6 +74,7 @@ class Flight:
     first_at: float | None = None
     integral_at_first: float = 0.0
     prefilled_at_first: float = 0.0
+    first_due: float | None = None
 
 
 class EngineLatency:
@@ -93,8 +99,11 @@ class EngineLatency:
         #: TPOT target (s) -> flights of it (:meth:`tightest_tpot_s` reads the keys
         #: without a pass over every flight)
         self._targets: Counter[float] = Counter()
-        self.pending_prefill_tokens = 0
-        self.decoding = 0
+        self._pending = 0  # :attr:`pending_prefill_tokens`
+        self._decoding = 0  # :attr:`decoding`
+        #: (first_due, tie-break, flight) of answers that do not stream (:meth:`_promote`)
+        self._due: list[tuple[float, int, Flight]] = []
+        self._due_seq = itertools.count()
         self._integral = 0.0  # ∫ in-flight dt, request·s
         self._integral_at = clock.now()
         self._prefilled = 0.0  # uncached tokens of requests past their first token
@@ -112,6 +121,39 @@ class EngineLatency:
         #: the throughput knee, smoothed over :data:`KNEE_TAU_S` (:meth:`throughput_limit`)
         self._knee: float | None = None
         self._knee_at = -math.inf
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Uncached prompt tokens of the requests here not past their first token (an
+        answer that does not stream counts until its :attr:`Flight.first_due`)."""
+        self._promote()
+        return self._pending
+
+    @pending_prefill_tokens.setter
+    def pending_prefill_tokens(self, tokens: int) -> None:
+        self._promote()
+        self._pending = tokens
+
+    @property
+    def decoding(self) -> int:
+        """Requests here past their first token (an answer that does not stream from
+        its :attr:`Flight.first_due`)."""
+        self._promote()
+        return self._decoding
+
+    def _promote(self) -> None:
+        """Take the first token of each answer that does not stream as seen once its
+        ``first_due`` has passed. Its real first token is seen only with the whole
+        answer, so without this its prefill would count as pending, and it not as
+        decoding, for its whole time on the engine: a batch of non-streaming lines
+        then read as seconds of prefill queued ahead of every online request there
+        (docs/adaptive-admission.md, "Observations")."""
+        if not self._due:
+            return
+        now = self.clock.now()
+        while self._due and self._due[0][0] <= now:
+            _, _, flight = heapq.heappop(self._due)
+            self.first_token(flight)
 
     def best_effort(self, tpot_target_s: float) -> bool:
         """Whether requests of TPOT target ``tpot_target_s`` (s) are served at best
@@ -232,36 +274,42 @@ class EngineLatency:
         self._integral_at = now
 
     def sent(self, uncached_tokens: int, prompt_tokens: int, tpot_target_s: float,
-             band: int = 0, output_tokens: int = 0) -> Flight:
+             band: int = 0, output_tokens: int = 0, streamed: bool = True) -> Flight:
         """A request of priority ``band`` was placed on the engine; returns its
         handle. ``output_tokens``: the most it may generate (its output cap; 0: not
         known), for :attr:`Flight.expected_s`, which the TPOT̂ at the batch it joins
-        prices."""
+        prices. ``streamed`` False: the answer comes whole, so its first token is taken
+        as seen at ``TTFT̂ + z σ`` after now (:attr:`Flight.first_due`)."""
         now = self.clock.now()
         self._advance(now)
         uncached_tokens = max(0, uncached_tokens)
         ahead = self.pending_prefill_tokens + uncached_tokens
-        ttft = self.model.predict_ttft(ahead, self.decoding).mean
+        predicted = self.model.predict_ttft(ahead, self.decoding)
+        ttft = predicted.mean
         expected = 0.0
         if output_tokens > 0:
             expected = ttft + self.model.predict_tpot(self.in_flight + 1).mean \
                 * (output_tokens - 1)
         flight = Flight(uncached_tokens, prompt_tokens, band, tpot_target_s, now, ahead,
-                        self.decoding, ttft, expected)
+                        self._decoding, ttft, expected)
         self.flights.add(flight)
         self._targets[tpot_target_s] += 1
-        self.pending_prefill_tokens += uncached_tokens
+        self._pending += uncached_tokens
+        if not streamed:
+            flight.first_due = now + max(0.0, predicted.upper(self.z))
+            heapq.heappush(self._due, (flight.first_due, next(self._due_seq), flight))
         return flight
 
     def first_token(self, flight: Flight) -> None:
-        """``flight`` streamed its first token now."""
+        """``flight`` streamed its first token now (or, for an answer that does not
+        stream, its :attr:`Flight.first_due` passed, or its whole answer came)."""
         if flight.first_at is not None or flight not in self.flights:
             return
         now = self.clock.now()
         self._advance(now)
         flight.first_at = now
-        self.pending_prefill_tokens -= flight.uncached_tokens
-        self.decoding += 1
+        self._pending -= flight.uncached_tokens
+        self._decoding += 1
         self._prefilled += flight.uncached_tokens
         flight.integral_at_first = self._integral
         flight.prefilled_at_first = self._prefilled
@@ -289,9 +337,9 @@ class EngineLatency:
         if not self._targets[flight.tpot_target_s]:
             del self._targets[flight.tpot_target_s]
         if flight.first_at is None:
-            self.pending_prefill_tokens -= flight.uncached_tokens
+            self._pending -= flight.uncached_tokens
         else:
-            self.decoding -= 1
+            self._decoding -= 1
         if not ok or flight.first_at is None:
             return
         if not streamed:

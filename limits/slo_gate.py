@@ -290,15 +290,17 @@ class SloGate:
     # ------------------------------------------------------------------ flights
 
     def open_flight(self, engine_id: str, model: str, uncached: int, prompt_tokens: int,
-                    priority: Priority, output_tokens: int) -> Flight | None:
+                    priority: Priority, output_tokens: int,
+                    streamed: bool = True) -> Flight | None:
         """A request goes to ``engine_id`` computing ``uncached`` prompt tokens there:
         its flight in the engine's ledger (None without one), whose predicted time on
-        the engine feeds the band's demand."""
+        the engine feeds the band's demand. ``streamed`` False: the engine's answer
+        comes whole (:meth:`limits.engine_latency.EngineLatency.sent`)."""
         ledger = self.ledgers.get(engine_id)
         if ledger is None:
             return None
         flight = ledger.sent(uncached, prompt_tokens, self.slo.target(priority).tpot_s,
-                             PRIORITIES.index(priority), output_tokens)
+                             PRIORITIES.index(priority), output_tokens, streamed)
         self.band_demand(model).started(priority, flight.expected_s)
         return flight
 

@@ -375,11 +375,39 @@ def test_ledger_learns_batch_and_prefill_from_flights() -> None:
     assert len(eng.drain_errors()) == 1 and eng.drain_errors() == []
 
 
+def test_an_answer_that_does_not_stream_counts_as_prefill_only_until_its_predicted_ttft() -> None:
+    clock = FakeClock()
+    eng = EngineLatency(LatencyModel(), clock, z=2.0)
+    whole = eng.sent(300, 300, 0.1, streamed=False)
+    stream = eng.sent(200, 200, 0.1)
+    due = whole.first_due
+    assert due is not None and stream.first_due is None
+    # TTFT̂ + 2σ of 300 tokens with nothing decoding, from send
+    assert due - 100.0 == pytest.approx(eng.model.predict_ttft(300, 0).upper(2.0))
+    assert eng.pending_prefill_tokens == 500 and eng.decoding == 0
+    clock.t = due - 1e-6
+    assert eng.pending_prefill_tokens == 500
+    clock.t = due
+    # the whole answer's prefill is taken as done; the stream's waits for its token
+    assert eng.pending_prefill_tokens == 200 and eng.decoding == 1
+    assert whole.first_at == due
+    # its answer arriving later changes nothing more; finishing frees it
+    eng.first_token(whole)
+    eng.finished(whole, completion_tokens=50, streamed=False)
+    assert eng.decoding == 0 and eng.in_flight == 1 and eng.pending_prefill_tokens == 200
+    # a whole answer faster than predicted: its prefill leaves with it
+    quick = eng.sent(100, 100, 0.1, streamed=False)
+    eng.first_token(quick)
+    eng.finished(quick, completion_tokens=5, streamed=False)
+    clock.t += 100.0
+    assert eng.pending_prefill_tokens == 200 and eng.decoding == 0 and eng.in_flight == 1
+
+
 def _whole_answers(eng: EngineLatency, clock: FakeClock, e2e_s: float, n: int) -> None:
     """``n`` rounds of 8 concurrent non-streamed requests of 16 output tokens each
     answered whole after ``e2e_s``."""
     for _ in range(n):
-        flights = [eng.sent(100, 100, 0.1) for _ in range(8)]
+        flights = [eng.sent(100, 100, 0.1, streamed=False) for _ in range(8)]
         clock.t += e2e_s
         for f in flights:
             eng.first_token(f)  # the proxy's callback: the whole answer arrived
