@@ -15,7 +15,8 @@ online bands — ``BatchConfig.headroom`` of those limits, or more where
 engine on which an interactive request sent just after the line would still start
 within its TTFT target (a batch line's prefill queues ahead of the next online request
 on an FCFS engine: the prefills pending there, the line's and the request's own, each
-the model's typical prompt, predicted as ``TTFT̂ + z σ``), and no online request is
+the model's typical prompt, predicted as ``TTFT̂ + z σ``; before the engine's TTFT
+fit is trusted, one with no prefill pending), and no online request is
 waiting in the model's queue (the batch gives way at once); at most
 ``queued_lines`` batch tickets wait in the queue and ``max_in_flight`` lines run per
 process. The admission each line then goes through decides, per engine, as for any
@@ -285,9 +286,9 @@ class BatchRunner:
         """Whether ``engine`` may take one more batch line: an interactive request of
         ``prompt_tokens`` sent right after a line of as many is predicted to start
         within the interactive TTFT target (:meth:`limits.slo_gate.SloGate.starts_after_one`;
-        on an FCFS engine the line's prefill runs ahead of it). None without adaptive
-        admission or for an engine whose TTFT fit is not trusted (yet): the
-        concurrency limits alone decide."""
+        on an FCFS engine the line's prefill runs ahead of it); for an engine whose
+        TTFT fit is not trusted yet, whether no prefill is pending there. None
+        without adaptive admission: the concurrency limits alone decide."""
         if self.gate is None:
             return None
         return self.gate.starts_after_one(engine.id, prompt_tokens,

@@ -223,11 +223,17 @@ class SloGate:
     def starts_after_one(self, engine_id: str, uncached_tokens: int, ttft_s: float) -> bool | None:
         """Whether a request of ``uncached_tokens`` sent to ``engine_id`` right after
         another as long is predicted (``TTFT̂ + z σ``, the prefills pending there, the
-        other's and its own) to start within ``ttft_s`` (s). None without a ledger or
-        while the engine's TTFT fit is not trusted (its learned limit decides)."""
+        other's and its own) to start within ``ttft_s`` (s). While the engine's TTFT
+        fit is not trusted (a gateway just started, an engine just added): whether no
+        prefill is pending there, so the other's is the only one the request may wait
+        behind (else a batch's first lines, sent together to engines not yet learned,
+        queue their prefills ahead of the first online requests: issue 43). None
+        without a ledger."""
         lat = self.ledgers.get(engine_id)
-        if lat is None or not lat.model.ttft_trusted:
+        if lat is None:
             return None
+        if not lat.model.ttft_trusted:
+            return lat.pending_prefill_tokens == 0
         return lat.predict_ttft(2 * uncached_tokens).upper(lat.z) <= ttft_s
 
     def best_effort_wait_s(self, model: str, priority: Priority, max_wait_s: float,

@@ -108,3 +108,25 @@ def test_a_batch_request_goes_only_where_the_next_online_request_still_starts_in
                       ["a", "b"], lambda e: 300) == ["a", "b"]
     gate.first_token("b", flight)  # b's prefill done: it may take the line again
     assert gate.admit("m", "batch", budget, ready, ["a", "b"], lambda e: 300) == ["a", "b"]
+
+
+def test_before_its_ttft_fit_is_trusted_an_engine_takes_a_batch_request_only_with_no_prefill_pending() -> None:
+    """A gateway just started knows no engine's TTFT yet: a batch-band request goes
+    only where no prefill is pending, so an online request sent after it waits behind
+    that one prefill at most (not behind a batch's first lines sent together)."""
+    clock = ManualClock()
+    gate = SloGate(adaptive=AdaptiveConfig(), clock=clock)
+    gate.track("a")
+    gate.track("b")
+    assert not gate.ledger("a").model.ttft_trusted
+    ready = [ReadyEngine("a", 0), ReadyEngine("b", 0)]
+    gate.arrived("m", "interactive")
+    clock.t += 1.0
+    budget = gate.ttft_budget_s("batch", arrived=1.0, now=1.0)
+    assert gate.starts_after_one("a", 300, 1.0) is True
+    line = gate.open_flight("a", "m", 300, 300, "batch", 10)  # a streamed line on a
+    assert gate.starts_after_one("a", 300, 1.0) is False
+    assert gate.admit("m", "batch", budget, ready, ["a", "b"], lambda e: 300) == ["b"]
+    gate.first_token("a", line)
+    assert gate.admit("m", "batch", budget, ready, ["a", "b"], lambda e: 300) == ["a", "b"]
+    assert gate.starts_after_one("nobody", 300, 1.0) is None
