@@ -110,7 +110,7 @@ def test_a_batch_request_goes_only_where_the_next_online_request_still_starts_in
     assert gate.admit("m", "batch", budget, ready, ["a", "b"], lambda e: 300) == ["a", "b"]
 
 
-def test_before_its_ttft_fit_is_trusted_an_engine_takes_a_batch_request_only_with_no_prefill_pending() -> None:
+def test_an_engine_not_yet_learned_takes_a_batch_request_only_with_no_prefill_pending() -> None:
     """A gateway just started knows no engine's TTFT yet: a batch-band request goes
     only where no prefill is pending, so an online request sent after it waits behind
     that one prefill at most (not behind a batch's first lines sent together)."""
