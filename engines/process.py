@@ -110,10 +110,10 @@ def free_port(host: str = "127.0.0.1", span: int = 1, rng: random.Random | None 
         OSError: no such port found in 1000 draws.
     """
     rng = rng or random.Random()
-    low = LOWEST_PICKED_PORT
-    high = min(_ephemeral_range()[0], 65536) - span  # last P with P + span - 1 below it
+    first, last = _ephemeral_range()
+    low, high = LOWEST_PICKED_PORT, min(first, 65536) - span  # P + span - 1 below it
     if high <= low:  # an unusual ephemeral range: above it instead
-        low, high = _ephemeral_range()[1] + 1, 65536 - span
+        low, high = last + 1, 65536 - span
     for _ in range(1000):
         port = rng.randrange(low, high)
         ports = range(port, port + span)
