@@ -284,12 +284,15 @@ class LatencyModel:
 
     def params(self) -> dict[str, float]:
         """The fitted parameters by name (s, s/token, s/sequence), the TPOT noise ``σ``
-        (s) and the turnover ratio ``ρ`` (uncached prompt tokens per output token)."""
+        (s), the turnover ratio ``ρ`` (uncached prompt tokens per output token) and
+        the TPOT fit's recent relative prediction error (ratio; :attr:`confident`
+        needs it at most ``max_rel_error``)."""
         a, b = self.ttft.theta, self.tpot.theta
         return {"ttft_overhead_s": a[0], "prefill_s_per_token": a[1], "ttft_s_per_seq": a[2],
                 "step_s": b[0], "step_s_per_seq": b[1], "step_s_per_prefill_token": b[2],
                 "tpot_noise_s": math.sqrt(self.tpot.noise_var),
-                "prefill_tokens_per_output_token": self.prefill_per_token}
+                "prefill_tokens_per_output_token": self.prefill_per_token,
+                "tpot_rel_error": self.tpot_rel_error}
 
     # ------------------------------------------------------------------ observations
 
