@@ -9,6 +9,7 @@ import math
 import random
 import statistics
 
+import numpy as np
 import pytest
 
 from limits import latency_model
@@ -19,7 +20,7 @@ from limits.gradient import GradientLimiter
 from limits.interfaces import EngineCounters
 from limits.intervals import IntervalObservations, interval_observations
 from limits.latency_model import LatencyModel, LatencyPrior
-from limits.rls import RecursiveLeastSquares
+from limits.rls import RecursiveLeastSquares, project_nonnegative
 
 
 class FakeClock:
@@ -105,6 +106,40 @@ def test_covariance_does_not_wind_up_without_excitation() -> None:
     assert rls.P[1, 1] <= rls._p_max[1] * (1 + 1e-9)
     assert rls.predict([1.0, 100.0])[1] < 1.0  # the slope's uncertainty stays the prior's
     assert all(math.isfinite(v) for v in rls.P.ravel())
+
+
+def test_projection_onto_nonnegative_parameters_follows_their_covariance() -> None:
+    # strongly anti-correlated intercept and slope: fixing the negative slope at 0
+    # moves the intercept by its conditional mean, not by nothing (the clip)
+    P = np.array([[4.0, -1.9], [-1.9, 1.0]])
+    theta = project_nonnegative(np.array([1.0, -0.5]), P)
+    assert theta[1] == 0.0
+    assert theta[0] == pytest.approx(1.0 - (-1.9 / 1.0) * -0.5)  # 1 - 0.95
+    # already feasible: unchanged; every entry negative: all 0
+    assert list(project_nonnegative(np.array([0.2, 0.3]), P)) == [0.2, 0.3]
+    assert list(project_nonnegative(np.array([-0.2, -0.3]), P)) == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_tpot_fit_recovers_from_an_outlier_under_collinear_batches(seed: int) -> None:
+    """The first request decoded 13 steps through a long stall (154 ms at a batch of
+    7, no prefill counted in its steps); then TPOTs of a fast engine at batches of
+    6-15 (step 6.3 ms + 0.6 ms per sequence + 32.5 us per prefill token, the H200
+    profile's scale, +-10 %). Issue 44: with the parameters clipped at 0 the fit ran
+    away on 3 of these 10 seeds (an engine in the loaded routing benchmark reached a
+    fitted step of thousands of seconds and never left the fallback limiter)."""
+    rng = random.Random(seed)
+    model = LatencyModel()
+    model.observe_tpot(0.154, 6.9, 0.0, 13)
+    for _ in range(200):
+        b = rng.uniform(6, 15)
+        p = rng.choice([0.0, rng.uniform(100, 700)])
+        tpot = (0.0063 + 0.0006 * b + 32.5e-6 * p) * rng.uniform(0.9, 1.1)
+        model.observe_tpot(tpot, b, p, rng.randint(20, 600))
+    assert model.confident
+    assert model.tpot_rel_error < 0.15
+    assert model.predict_tpot(10, 300).mean == pytest.approx(0.0063 + 0.006 + 32.5e-6 * 300,
+                                                             rel=0.1)
 
 
 def test_prior_is_used_until_samples_arrive_and_not_trusted() -> None:
