@@ -22,14 +22,16 @@ import numpy as np
 
 
 def project_nonnegative(theta: np.ndarray, P: np.ndarray) -> np.ndarray:
-    """``theta`` projected onto ``θ ≥ 0`` in the norm of ``P⁻¹``: the θ ≥ 0 that
-    minimises ``(θ − theta)ᵀ P⁻¹ (θ − theta)``, by active sets (each negative
-    parameter, once fixed at 0, moves the others by their covariance with it:
-    ``θ_free ← θ_free − P[free, F] P[F, F]⁻¹ θ_F``, the fit's conditional mean given
-    ``θ_F = 0``). This is the estimate projection of constrained Kalman filtering with
-    weight ``W = P⁻¹`` (D. Simon, "Kalman filtering with state constraints: a survey
-    of linear and nonlinear algorithms", IET Control Theory & Applications 4(8), 2010,
-    §2.3), the minimum-variance constrained estimate.
+    """``theta`` projected onto ``θ ≥ 0`` in the norm of ``P⁻¹``: the θ that minimises
+    ``(θ − theta)ᵀ P⁻¹ (θ − theta)`` with the negative parameters held at 0, the
+    others moved by their covariance with them (``θ_free ← θ_free − P[free, F]
+    P[F, F]⁻¹ θ_F``, the fit's conditional mean given ``θ_F = 0``); a parameter that
+    turns negative by that move is held at 0 too, and none is released (exact when the
+    parameters held are those the constrained minimum holds at 0). This is the estimate projection
+    of constrained Kalman filtering with weight ``W = P⁻¹`` (D. Simon, "Kalman
+    filtering with state constraints: a survey of linear and nonlinear algorithms",
+    IET Control Theory & Applications 4(8), 2010, §2.3), the minimum-variance
+    estimate on the constraint's active face.
 
     Clipping the negative parameters at 0 alone ("θ ← max(θ, 0)") is not a projection
     when the parameters are correlated: with a narrow range of batch sizes the fixed
@@ -37,8 +39,8 @@ def project_nonnegative(theta: np.ndarray, P: np.ndarray) -> np.ndarray:
     lowers the prediction moves the one up and the other down past 0, and the clip
     keeps only the rise — the prediction then grows with every sample that says it is
     too high. Seen on the simulated H200 engine in the loaded routing benchmark (issue
-    44): two of four engines' fitted step time climbed from 8 ms to thousands of
-    seconds while every observed TPOT was 10–30 ms, and those engines stayed in the
+    44): two of four engines' fitted step time climbed to thousands of seconds while
+    every observed TPOT was 10–30 ms, and those engines stayed in the
     fallback limiter for the whole run.
 
     Args:
