@@ -27,11 +27,11 @@ def project_nonnegative(theta: np.ndarray, P: np.ndarray) -> np.ndarray:
     others moved by their covariance with them (``θ_free ← θ_free − P[free, F]
     P[F, F]⁻¹ θ_F``, the fit's conditional mean given ``θ_F = 0``); a parameter that
     turns negative by that move is held at 0 too, and none is released (exact when the
-    parameters held are those the constrained minimum holds at 0). This is the estimate projection
-    of constrained Kalman filtering with weight ``W = P⁻¹`` (D. Simon, "Kalman
-    filtering with state constraints: a survey of linear and nonlinear algorithms",
-    IET Control Theory & Applications 4(8), 2010, §2.3), the minimum-variance
-    estimate on the constraint's active face.
+    parameters held are those the constrained minimum holds at 0). This is the
+    estimate projection of constrained Kalman filtering with weight ``W = P⁻¹``
+    (D. Simon, "Kalman filtering with state constraints: a survey of linear and
+    nonlinear algorithms", IET Control Theory & Applications 4(8), 2010, §2.3), the
+    minimum-variance estimate on the constraint's active face.
 
     Clipping the negative parameters at 0 alone ("θ ← max(θ, 0)") is not a projection
     when the parameters are correlated: with a narrow range of batch sizes the fixed
