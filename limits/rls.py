@@ -40,8 +40,8 @@ def project_nonnegative(theta: np.ndarray, P: np.ndarray) -> np.ndarray:
     keeps only the rise — the prediction then grows with every sample that says it is
     too high. Seen on the simulated H200 engine in the loaded routing benchmark (issue
     44): two of four engines' fitted step time climbed to thousands of seconds while
-    every observed TPOT was 10–30 ms, and those engines stayed in the
-    fallback limiter for the whole run.
+    every observed TPOT was 10–30 ms, and those engines stayed in the fallback limiter
+    for the whole run.
 
     Args:
         theta: the unconstrained estimate, shape (n,).
